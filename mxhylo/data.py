@@ -1,0 +1,30 @@
+"""Built-in real data: scikit-learn's handwritten digits (1797 8x8 grey images, 10 classes).
+
+No data set can be downloaded where mxhylo is tested, so every accuracy claim in
+the project is made on these images.
+"""
+import numpy as np
+
+
+def load_digits(test_fraction=0.25, seed=0):
+    """Return (x_train, y_train, x_test, y_test).
+
+    x: float32 array (N, 1, 8, 8) scaled to [0, 1]; y: float32 array (N,) of class ids.
+    The split is stratified-free but deterministic for a given ``seed``.
+    """
+    from sklearn.datasets import load_digits as _sk_digits
+
+    digits = _sk_digits()
+    x = (digits.images.astype(np.float32) / 16.0)[:, None, :, :]
+    y = digits.target.astype(np.float32)
+    order = np.random.RandomState(seed).permutation(len(y))
+    n_test = int(round(len(y) * test_fraction))
+    test, train = order[:n_test], order[n_test:]
+    return x[train], y[train], x[test], y[test]
+
+
+def shard(x, y, num_parts, part_index):
+    """The part_index-th of num_parts contiguous, near-equal shards of (x, y)."""
+    bounds = np.linspace(0, len(y), num_parts + 1).astype(int)
+    lo, hi = bounds[part_index], bounds[part_index + 1]
+    return x[lo:hi], y[lo:hi]
