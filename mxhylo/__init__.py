@@ -11,3 +11,17 @@ if sys.version_info[:2] != (3, 11):
                       "Python %d.%d" % sys.version_info[:2])
 
 __version__ = "0.1.0"
+
+from .kvstore import create  # noqa: E402  (registers 'hylo' and 'dist_sync_hylo')
+from . import io  # noqa: E402
+
+
+def __getattr__(name):
+    # LARSTrainer is imported on first use: most kvstore users never need it.
+    if name == "LARSTrainer":
+        from .lars import LARSTrainer
+        return LARSTrainer
+    raise AttributeError("module 'mxhylo' has no attribute %r" % (name,))
+
+
+__all__ = ["create", "io", "LARSTrainer"]

@@ -1,0 +1,137 @@
+"""Compressors: encode one layer's gradient (with its residual) and decode payloads.
+
+A Compressor knows one codec; it does not know where bytes go (that is the
+transport's job) nor which layer gets which codec (the policy's). ``encode`` folds
+the residual in and leaves what was not sent in it; ``decode`` writes or adds a
+payload into a dense float32 array, so a receiver aggregates any number of payloads
+(each worker's own threshold or kernel choice) by decoding with accumulate=True.
+
+The registry ``COMPRESSORS`` maps the policy's strategy names to instances.
+"""
+from dataclasses import dataclass
+from typing import Tuple
+
+import mxnet as mx
+import numpy as np
+
+from .. import ops
+
+
+@dataclass
+class Payload:
+    """One worker's encoded gradient of one layer.
+
+    strategy: the codec's name; shape: the dense gradient's shape;
+    arrays: the encoded tensors (NDArrays); scalars: small float header values.
+    """
+    strategy: str
+    shape: Tuple[int, ...]
+    arrays: Tuple[mx.nd.NDArray, ...]
+    scalars: Tuple[float, ...] = ()
+
+    @property
+    def nbytes(self):
+        """Encoded size in bytes: the arrays as they are plus 4 bytes per header scalar."""
+        return sum(a.size * np.dtype(a.dtype).itemsize for a in self.arrays) + 4 * len(self.scalars)
+
+
+def _raise_non_finite(name, count, size):
+    raise FloatingPointError(
+        "non-finite gradient in layer %r: %d of %d elements are NaN or Inf. The step is "
+        "abandoned; those elements were not folded into the residual. With fp16, use "
+        "loss scaling (mxhylo.LARSTrainer skips overflowing steps before they are sent)."
+        % (name, count, size))
+
+
+class Compressor:
+    """Interface of a codec. ``name`` is the strategy name the policy uses."""
+    name = None
+
+    def encode(self, plan, grad, memory):
+        """Encode NDArray ``grad`` of layer ``plan`` -> Payload; updates ``memory``."""
+        raise NotImplementedError
+
+    def decode(self, payload, out, accumulate=False):
+        """Write (or with accumulate, add) the decoded payload into float32 NDArray ``out``."""
+        raise NotImplementedError
+
+
+class NoCompression(Compressor):
+    """Small layers travel as they are (float32), with no residual."""
+    name = "none"
+
+    def encode(self, plan, grad, memory):
+        if grad.dtype != np.float32:
+            grad = grad.astype(np.float32)
+        return Payload(self.name, tuple(grad.shape), (grad,))
+
+    def decode(self, payload, out, accumulate=False):
+        (dense,) = payload.arrays
+        if accumulate:
+            out += dense.reshape(out.shape)
+        else:
+            out[:] = dense.reshape(out.shape)
+
+
+class TwoBit(Compressor):
+    """Fully connected layers: every element as {-t, 0, +t} in 2 bits, error feedback.
+
+    Threshold: t = threshold_scale * mean(|g + r|). The mean is a by-product of the
+    quantization pass (ops.quantize_2bit returns sum |g + r|), so step s quantizes with
+    the mean measured at step s-1 and no extra pass over the gradient is needed; the
+    very first step measures it with ops.l1_stats. Payload: int32 codes (16 per word)
+    and the threshold.
+    """
+    name = "fc_2bit"
+
+    def __init__(self, threshold_scale=1.0):
+        self.threshold_scale = float(threshold_scale)
+
+    def _threshold(self, stats, plan):
+        total, bad = (float(v) for v in stats.asnumpy())
+        if bad:
+            _raise_non_finite(plan.name, int(bad), plan.size)
+        t = self.threshold_scale * total / max(plan.size, 1)
+        # An all-zero layer has mean 0; any positive threshold then sends all zeros.
+        return max(t, float(np.finfo(np.float32).tiny))
+
+    def encode(self, plan, grad, memory):
+        residual = memory.residual(plan.name, grad)
+        t = memory.scalar(plan.name, "threshold")
+        if t is None:
+            t = self._threshold(ops.l1_stats(grad, residual), plan)
+        t = float(np.float32(t))
+        codes, stats = ops.quantize_2bit(grad, residual, t)
+        memory.set_scalar(plan.name, "threshold", self._threshold(stats, plan))
+        return Payload(self.name, tuple(grad.shape), (codes,), (t,))
+
+    def decode(self, payload, out, accumulate=False):
+        (codes,) = payload.arrays
+        ops.dequantize_2bit(codes, payload.scalars[0], payload.shape, out=out,
+                            accumulate=accumulate)
+
+
+class ConvTopK(Compressor):
+    """Convolution layers: the k output filters of largest L2 norm of (g + r).
+
+    Payload: int32 filter indices (k,) and their float32 values (k, I*kh*kw); the
+    filters not sent stay in the residual.
+    """
+    name = "conv_topk"
+
+    def encode(self, plan, grad, memory):
+        residual = memory.residual(plan.name, grad)
+        indices, values, stats = ops.select_kernels(grad, residual, plan.k)
+        bad = float(stats.asnumpy()[1])
+        if bad:
+            _raise_non_finite(plan.name, int(bad), plan.size)
+        return Payload(self.name, tuple(grad.shape), (indices, values))
+
+    def decode(self, payload, out, accumulate=False):
+        indices, values = payload.arrays
+        ops.scatter_kernels(indices, values, payload.shape, out=out, accumulate=accumulate)
+
+
+def make_compressors(threshold_scale=1.0):
+    """The registry: strategy name -> Compressor instance."""
+    return {c.name: c for c in (NoCompression(), TwoBit(threshold_scale), ConvTopK())}

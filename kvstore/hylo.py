@@ -1,0 +1,291 @@
+"""The hylo KVStore: MXNet's KVStoreBase contract, wiring policy, memory, codecs, transport.
+
+One gradient's way through ``pushpull(key, [g_dev0, g_dev1, ...])``:
+
+1. reduce: the per-device gradients are summed on the first device (a worker with
+   several devices compresses once: hierarchical aggregation);
+2. encode: the layer's plan (kvstore.policy) picks a compressor (kvstore.compressors),
+   which folds in the layer's residual (kvstore.memory) and leaves there what it
+   does not send;
+3. exchange: the transport moves the payload and returns the aggregate of all
+   workers' decoded payloads (kvstore.transport_local in one process,
+   kvstore.transport_ps over MXNet's parameter server);
+4. write: the float32 aggregate is copied into every output (cast to its dtype).
+
+With list keys every key goes through step 2 before any key reaches step 3 and
+every aggregate is complete before step 4 writes, so outputs may alias inputs or
+each other.
+
+Gluon's Trainer passes parameter indices as keys. Policy regexes and error messages
+need parameter names, so for an int key the store looks up the calling Trainer's
+parameter list the first time it sees the key (falling back to str(key)).
+"""
+import os
+import sys
+
+import mxnet as mx
+import numpy as np
+from mxnet.kvstore import KVStoreBase
+
+from .compressors import make_compressors
+from .memory import ResidualMemory
+from .policy import LayerPolicy
+from .stats import TrafficStats
+from .transport_local import LocalTransport
+from . import active
+
+
+class Layer:
+    """A key's plan and compressor, fixed at the key's first use."""
+    __slots__ = ("key", "plan", "compressor")
+
+    def __init__(self, key, plan, compressor):
+        self.key, self.plan, self.compressor = key, plan, compressor
+
+
+def _as_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _name_from_calling_trainer(key):
+    """Parameter name of index ``key`` in the gluon.Trainer up the call stack, or None."""
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, mx.gluon.Trainer):
+            params = getattr(owner, "_params", [])
+            return params[key].name if 0 <= key < len(params) else None
+        frame = frame.f_back
+    return None
+
+
+class Hylo(KVStoreBase):
+    """Hylo layer-aware gradient compression as an MXNet kvstore.
+
+    Options (see kvstore.policy for the rule they tune):
+      size_threshold: layers with fewer elements travel uncompressed (default 8192).
+      conv_rate: None for the layer-adaptive rate, or a fixed fraction of filters.
+      policy: dict of name regex -> 'conv_topk' | 'fc_2bit' | 'none', tried in order.
+      max_conv_rate, min_conv_rate: bounds of the adaptive conv rate.
+      threshold_scale: the 2-bit threshold is this times mean |gradient + residual|.
+      transport: 'auto' (the parameter server when this process is an MXNet worker,
+        DMLC_ROLE=worker; in-process otherwise), 'local' or 'ps'.
+    """
+    kv_type = "hylo"
+
+    def __init__(self, size_threshold=8192, conv_rate=None, policy=None, max_conv_rate=0.1,
+                 min_conv_rate=0.01, threshold_scale=1.0, transport="auto", **transport_options):
+        self.policy = LayerPolicy(size_threshold=size_threshold, conv_rate=conv_rate,
+                                  policy=policy, max_conv_rate=max_conv_rate,
+                                  min_conv_rate=min_conv_rate, threshold_scale=threshold_scale)
+        self.compressors = make_compressors(threshold_scale)
+        self.memory = ResidualMemory()
+        self.traffic = TrafficStats()
+        self._layers = {}
+        self._names = {}
+        self._aggregates = {}
+        self.transport = self._make_transport(transport, transport_options)
+        if self.transport.num_workers > 1 or transport == "ps":
+            active.set_active(self)
+
+    def _make_transport(self, transport, options):
+        if transport == "auto":
+            transport = "ps" if os.environ.get("DMLC_ROLE") == "worker" else "local"
+        if transport == "local":
+            if options:
+                raise TypeError("unknown options for the in-process hylo store: %s"
+                                % ", ".join(sorted(options)))
+            return LocalTransport()
+        if transport == "ps":
+            from .transport_ps import PSTransport
+            return PSTransport(self.policy, **options)
+        raise ValueError("transport must be 'auto', 'local' or 'ps', got %r" % (transport,))
+
+    # -- KVStoreBase contract ------------------------------------------------------------
+
+    @property
+    def type(self):
+        return self.kv_type
+
+    @property
+    def rank(self):
+        return self.transport.rank
+
+    @property
+    def num_workers(self):
+        return self.transport.num_workers
+
+    @staticmethod
+    def is_capable(capability):
+        """hylo updates on the workers: it has no server-side 'optimizer' capability."""
+        if capability.lower() == KVStoreBase.OPTIMIZER:
+            return False
+        raise ValueError("Unknown capability: {}".format(capability))
+
+    def set_optimizer(self, optimizer):
+        raise NotImplementedError(
+            "the hylo kvstore compresses gradients and updates on the workers; it runs no "
+            "optimizer on the servers. Use gluon.Trainer (update_on_kvstore=False).")
+
+    def save_optimizer_states(self, fname, dump_optimizer=False):
+        raise NotImplementedError("hylo keeps no optimizer state; the Trainer does "
+                                  "(trainer.save_states). Residuals: kv.save_residuals.")
+
+    def load_optimizer_states(self, fname):
+        raise NotImplementedError("hylo keeps no optimizer state; the Trainer does "
+                                  "(trainer.load_states). Residuals: kv.load_residuals.")
+
+    def set_gradient_compression(self, compression_params):
+        raise ValueError("the hylo kvstore does its own layer-aware compression; pass its "
+                         "options to mxhylo.create(...) instead of compression_params")
+
+    def broadcast(self, key, value, out, priority=0):
+        """Make every array of ``out`` equal to rank 0's ``value`` for ``key`` (or keys)."""
+        keys, values, outs = self._normalize(key, value, out, "broadcast")
+        for k, vals, os_ in zip(keys, values, outs):
+            if len(vals) != 1:
+                raise ValueError("broadcast of key %r takes one value, got %d" % (k, len(vals)))
+            layer = self._layer(k, vals[0].shape)
+            self.transport.init(layer, vals[0])
+            self.transport.broadcast(layer, vals[0], os_)
+
+    def pushpull(self, key, value, out=None, priority=0):
+        """Sum ``value`` over devices and workers through compression; write into ``out``.
+
+        key: int or str, or a list of them; value: NDArray or list of NDArrays (one per
+        device) per key; out: the same shapes, or None to write the result into value.
+        """
+        keys, values, outs = self._normalize(key, value, out, "pushpull")
+        layers = [self._layer(k, vals[0].shape) for k, vals in zip(keys, values)]
+        pending = []
+        for layer, vals in zip(layers, values):                         # 1. reduce, 2. encode
+            grad = self._reduce(vals)
+            pending.append((layer, layer.compressor.encode(layer.plan, grad, self.memory)))
+        aggregates = []
+        for layer, payload in pending:                                   # 3. exchange
+            agg = self._aggregate_buffer(layer, payload.arrays[0].context)
+            pushed, pulled, per_server = self.transport.exchange(layer, payload, agg)
+            self.traffic.record(layer.plan, pushed, pulled, per_server=per_server)
+            aggregates.append(agg)
+        for agg, os_ in zip(aggregates, outs):                           # 4. write
+            for o in os_:
+                if o.dtype == agg.dtype:
+                    agg.copyto(o)
+                else:
+                    o[:] = agg.astype(o.dtype)
+
+    # -- hylo's own API ------------------------------------------------------------------
+
+    def stats(self):
+        """Traffic so far: steps, bytes_pushed, bytes_pulled, dense_bytes (bytes), ratio,
+        messages, bytes_per_server, and per layer (by parameter name): policy, shape, k,
+        rate, bytes (pushed in all), last_bytes (last step), dense_bytes, ratio."""
+        out = self.traffic.as_dict()
+        out.update(type=self.type, rank=self.rank, num_workers=self.num_workers,
+                   options=self.policy.options())
+        return out
+
+    def plans(self):
+        """Parameter name -> LayerPlan of every key seen so far."""
+        return {layer.plan.name: layer.plan for layer in self._layers.values()}
+
+    def save_residuals(self, fname):
+        """Save this worker's residuals and codec state (part of a checkpoint)."""
+        self.memory.save(fname)
+
+    def load_residuals(self, fname):
+        """Restore what save_residuals wrote (before the next pushpull)."""
+        self.memory.load(fname)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _normalize(self, key, value, out, what):
+        if isinstance(key, (list, tuple)):
+            values = list(value)
+            if len(values) != len(key):
+                raise ValueError("%s: %d keys but %d values" % (what, len(key), len(values)))
+            values = [_as_list(v) for v in values]
+            if out is None:
+                outs = values
+            else:
+                outs = [_as_list(o) for o in out]
+                if len(outs) != len(key):
+                    raise ValueError("%s: %d keys but %d outputs" % (what, len(key), len(outs)))
+            keys = list(key)
+        else:
+            keys, values = [key], [_as_list(value)]
+            outs = values if out is None else [_as_list(out)]
+        for k, vals, os_ in zip(keys, values, outs):
+            if not isinstance(k, (int, np.integer, str)):
+                raise TypeError("%s: keys must be int or str, got %r" % (what, type(k)))
+            shape = vals[0].shape
+            for a in list(vals) + list(os_):
+                if not isinstance(a, mx.nd.NDArray):
+                    raise TypeError("%s: values must be NDArrays, got %r" % (what, type(a)))
+                if a.shape != shape:
+                    raise ValueError("%s of key %r: shape %s differs from %s"
+                                     % (what, k, a.shape, shape))
+                if a.stype != "default":
+                    raise ValueError("%s of key %r: hylo compresses dense gradients; got "
+                                     "storage type %r" % (what, k, a.stype))
+        return keys, values, outs
+
+    def _layer(self, key, shape):
+        layer = self._layers.get(key)
+        if layer is None:
+            name = self._name(key)
+            plan = self.policy.plan(name, shape)
+            layer = self._layers[key] = Layer(key, plan, self.compressors[plan.strategy])
+        elif layer.plan.shape != tuple(shape):
+            raise ValueError("key %r (%s) was first used with shape %s, now %s"
+                             % (key, layer.plan.name, layer.plan.shape, tuple(shape)))
+        return layer
+
+    def _name(self, key):
+        if isinstance(key, str):
+            return key
+        name = _name_from_calling_trainer(int(key))
+        return name if name is not None else str(key)
+
+    @staticmethod
+    def _reduce(vals):
+        """Sum of the per-device arrays on the first one's device (the array itself if
+        there is one: nothing writes to it before step 4, after every read)."""
+        if len(vals) == 1:
+            return vals[0]
+        ctx = vals[0].context
+        return mx.nd.add_n(*[v.as_in_context(ctx) for v in vals])
+
+    def _aggregate_buffer(self, layer, ctx):
+        agg = self._aggregates.get(layer.key)
+        if agg is None or agg.context != ctx:
+            agg = self._aggregates[layer.key] = mx.nd.zeros(layer.plan.shape, ctx=ctx,
+                                                            dtype=np.float32)
+        return agg
+
+
+class DistSyncHylo(Hylo):
+    """The same store under a name containing 'dist', so that Gluon's Trainer keeps a
+    kvstore given as the string 'dist_sync_hylo' even with a single device."""
+    kv_type = "dist_sync_hylo"
+
+
+def _register(name, cls):
+    # MXNet's KVStoreBase.register derives the name from the class name, which cannot
+    # spell 'dist_sync_hylo' in a class name worth reading; the registry is the same dict.
+    KVStoreBase.kv_registry[name] = cls
+
+
+_register("hylo", Hylo)
+_register("dist_sync_hylo", DistSyncHylo)
+
+
+def create(type="hylo", **options):
+    """A hylo kvstore with options (see Hylo); ``mx.kv.create(type)`` with defaults."""
+    classes = {"hylo": Hylo, "dist_sync_hylo": DistSyncHylo}
+    if type not in classes:
+        raise ValueError("mxhylo.create: type must be 'hylo' or 'dist_sync_hylo', got %r"
+                         % (type,))
+    return classes[type](**options)

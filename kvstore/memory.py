@@ -1,0 +1,70 @@
+"""Residual memory: what a worker has not sent yet, per layer (error feedback).
+
+Each compressed layer owns a float32 residual of its parameter's shape that the
+compression operators read and update in place (residual <- gradient + residual - sent),
+and a few scalars of codec state (the adaptive 2-bit threshold). Both are part of a
+checkpoint: resuming without them changes the next steps' gradients.
+"""
+import mxnet as mx
+import numpy as np
+
+
+class ResidualMemory:
+    """Per-layer float32 residuals and codec scalars, keyed by parameter name."""
+
+    def __init__(self):
+        self._residuals = {}
+        self._scalars = {}
+
+    def residual(self, name, like):
+        """The residual of layer ``name``: float32, shape and context of NDArray ``like``.
+
+        Created as zeros on first use; a checkpoint loaded earlier fills it instead.
+        """
+        res = self._residuals.get(name)
+        if res is None:
+            res = mx.nd.zeros(like.shape, ctx=like.context, dtype=np.float32)
+            self._residuals[name] = res
+        elif res.shape != like.shape:
+            raise ValueError("residual of layer %r has shape %s but its gradient has shape "
+                             "%s (a checkpoint of another model?)" % (name, res.shape, like.shape))
+        elif res.context != like.context:
+            res = self._residuals[name] = res.as_in_context(like.context)
+        return res
+
+    def scalar(self, name, field):
+        """Codec state ``field`` of layer ``name`` (a Python float), or None if unset."""
+        return self._scalars.get((name, field))
+
+    def set_scalar(self, name, field, value):
+        self._scalars[(name, field)] = float(value)
+
+    def names(self):
+        """Names of layers that hold a residual."""
+        return sorted(self._residuals)
+
+    def state_dict(self):
+        """Everything as a dict of str -> NDArray (the format of mx.nd.save)."""
+        state = {"residual/" + n: r for n, r in self._residuals.items()}
+        for (name, field), value in self._scalars.items():
+            state["%s/%s" % (field, name)] = mx.nd.array([value], dtype=np.float64)
+        return state
+
+    def load_state_dict(self, state):
+        """Replace the memory with ``state`` (from state_dict or mx.nd.load)."""
+        residuals, scalars = {}, {}
+        for key, value in state.items():
+            field, sep, name = key.partition("/")
+            if not sep:
+                raise ValueError("not a residual-memory checkpoint entry: %r" % (key,))
+            if field == "residual":
+                residuals[name] = value.astype(np.float32, copy=True)
+            else:
+                scalars[(name, field)] = float(value.asnumpy()[0])
+        self._residuals, self._scalars = residuals, scalars
+
+    def save(self, fname):
+        mx.nd.save(fname, self.state_dict())
+
+    def load(self, fname):
+        self.load_state_dict(mx.nd.load(fname))

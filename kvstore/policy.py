@@ -1,0 +1,142 @@
+"""Layer policy: which compression each parameter's gradient gets, from its name and shape.
+
+The rule (Hylo):
+
+* fewer than ``size_threshold`` elements -> ``none``: small tensors cost latency, not
+  bandwidth, so they travel as they are.
+* 4-D weight (O, I, kh, kw), a convolution -> ``conv_topk``: each step sends the
+  k = max(1, round(rate * O)) output filters of largest L2 norm (gradient + residual),
+  with the layer-adaptive rate
+
+      rate(n) = clip(max_conv_rate * (size_threshold / n) ** 0.25, min_conv_rate, max_conv_rate)
+
+  for a layer of n parameters: a layer at the size threshold sends 10% of its filters,
+  a 256x larger one 2.5%, never fewer than 1% (defaults). The fourth root keeps big
+  layers from being starved: their filters still come round within a few dozen steps.
+  ``conv_rate`` fixes the rate instead.
+* 2-D weight (out, in), a fully connected layer -> ``fc_2bit``: every element is sent
+  as one of {-t, 0, +t}; the threshold adapts to the size of that layer's values,
+
+      t = threshold_scale * mean(|g + r|)
+
+  (g the gradient, r the residual; the mean is taken in the same pass as the previous
+  step's quantization, see mxhylo.kvstore.compressors.TwoBit).
+* anything else above the threshold (1-D, 3-D, 5-D ...) -> ``none``.
+
+``policy`` overrides the rule: a dict of regular expressions (matched with re.search
+against the parameter name) to strategies, tried in order; ``{'.*': 'none'}`` turns
+compression off. A regex that maps a tensor to a strategy its shape cannot take
+(``conv_topk`` for a 1-D bias, say) is an error, not a silent fallback.
+"""
+import re
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import numpy as np
+
+STRATEGIES = ("none", "conv_topk", "fc_2bit")
+
+DEFAULT_SIZE_THRESHOLD = 8192
+DEFAULT_MAX_CONV_RATE = 0.1
+DEFAULT_MIN_CONV_RATE = 0.01
+DEFAULT_THRESHOLD_SCALE = 1.0
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """How one parameter's gradient travels.
+
+    name: parameter name; shape: its shape; strategy: one of STRATEGIES;
+    rate: fraction of output filters sent per step (conv_topk only);
+    k: number of filters sent per step (conv_topk only).
+    """
+    name: str
+    shape: Tuple[int, ...]
+    strategy: str
+    rate: Optional[float] = None
+    k: Optional[int] = None
+
+    @property
+    def size(self):
+        """Number of elements of the parameter."""
+        return int(np.prod(self.shape)) if self.shape else 1
+
+
+def adaptive_conv_rate(n, size_threshold=DEFAULT_SIZE_THRESHOLD,
+                       max_rate=DEFAULT_MAX_CONV_RATE, min_rate=DEFAULT_MIN_CONV_RATE):
+    """Fraction of a conv layer's filters sent per step, for a layer of n parameters."""
+    rate = max_rate * (float(size_threshold) / float(n)) ** 0.25
+    return float(min(max_rate, max(min_rate, rate)))
+
+
+class LayerPolicy:
+    """Maps (name, shape) to a LayerPlan; see the module docstring for the rule."""
+
+    def __init__(self, size_threshold=DEFAULT_SIZE_THRESHOLD, conv_rate=None, policy=None,
+                 max_conv_rate=DEFAULT_MAX_CONV_RATE, min_conv_rate=DEFAULT_MIN_CONV_RATE,
+                 threshold_scale=DEFAULT_THRESHOLD_SCALE):
+        if not isinstance(size_threshold, (int, np.integer)) or size_threshold < 0:
+            raise ValueError("size_threshold must be a non-negative int (elements), got %r"
+                             % (size_threshold,))
+        if conv_rate is not None and not 0.0 < conv_rate <= 1.0:
+            raise ValueError("conv_rate must be None (adaptive) or a fraction in (0, 1], "
+                             "got %r" % (conv_rate,))
+        if not 0.0 < min_conv_rate <= max_conv_rate <= 1.0:
+            raise ValueError("need 0 < min_conv_rate <= max_conv_rate <= 1, got %r, %r"
+                             % (min_conv_rate, max_conv_rate))
+        if not threshold_scale > 0:
+            raise ValueError("threshold_scale must be > 0, got %r" % (threshold_scale,))
+        self.size_threshold = int(size_threshold)
+        self.conv_rate = conv_rate
+        self.max_conv_rate = float(max_conv_rate)
+        self.min_conv_rate = float(min_conv_rate)
+        self.threshold_scale = float(threshold_scale)
+        self.overrides = []
+        for pattern, strategy in (policy or {}).items():
+            if strategy not in STRATEGIES:
+                raise ValueError("policy %r -> %r: strategy must be one of %s"
+                                 % (pattern, strategy, ", ".join(STRATEGIES)))
+            try:
+                self.overrides.append((re.compile(pattern), strategy))
+            except re.error as err:
+                raise ValueError("policy key %r is not a valid regular expression: %s"
+                                 % (pattern, err)) from None
+
+    def options(self):
+        """The constructor arguments, for logs and for rebuilding the policy elsewhere."""
+        return {"size_threshold": self.size_threshold, "conv_rate": self.conv_rate,
+                "policy": {p.pattern: s for p, s in self.overrides},
+                "max_conv_rate": self.max_conv_rate, "min_conv_rate": self.min_conv_rate,
+                "threshold_scale": self.threshold_scale}
+
+    def plan(self, name, shape):
+        """The LayerPlan of parameter ``name`` with ``shape`` (a tuple of ints)."""
+        shape = tuple(int(d) for d in shape)
+        for pattern, strategy in self.overrides:
+            if pattern.search(name):
+                return self._make(name, shape, strategy, forced=True)
+        n = int(np.prod(shape)) if shape else 1
+        if n < self.size_threshold:
+            strategy = "none"
+        elif len(shape) == 4:
+            strategy = "conv_topk"
+        elif len(shape) == 2:
+            strategy = "fc_2bit"
+        else:
+            strategy = "none"
+        return self._make(name, shape, strategy, forced=False)
+
+    def _make(self, name, shape, strategy, forced):
+        if strategy == "conv_topk":
+            if len(shape) < 2 or shape[0] < 1:
+                raise ValueError("policy maps %r of shape %s to conv_topk, which needs a "
+                                 "weight of shape (O, ...) with O >= 1 output filters"
+                                 % (name, shape))
+            n = int(np.prod(shape))
+            rate = self.conv_rate if self.conv_rate is not None else adaptive_conv_rate(
+                n, max(self.size_threshold, 1), self.max_conv_rate, self.min_conv_rate)
+            k = max(1, int(round(rate * shape[0])))
+            return LayerPlan(name, shape, strategy, rate=rate, k=k)
+        if strategy == "fc_2bit" and len(shape) == 0:
+            raise ValueError("policy maps scalar %r to fc_2bit" % (name,))
+        return LayerPlan(name, shape, strategy)

@@ -1,0 +1,56 @@
+"""Traffic accounting of a hylo store: what kv.stats() returns."""
+
+
+class TrafficStats:
+    """Bytes and messages per layer, as the transport really moved them.
+
+    Units: bytes. ``dense_bytes`` is what uncompressed float32 gradients of the same
+    layers would have pushed over the same steps.
+    """
+
+    def __init__(self):
+        self.layers = {}
+        self.per_server = {}
+        self.messages = 0
+
+    def record(self, plan, pushed, pulled, messages=1, per_server=None):
+        """Account one exchange of layer ``plan``: ``pushed``/``pulled`` bytes."""
+        entry = self.layers.get(plan.name)
+        if entry is None:
+            entry = self.layers[plan.name] = {
+                "policy": plan.strategy, "shape": list(plan.shape), "k": plan.k,
+                "rate": plan.rate, "steps": 0, "bytes_pushed": 0, "bytes_pulled": 0,
+                "dense_bytes": 0, "last_bytes": 0}
+        entry["steps"] += 1
+        entry["bytes_pushed"] += pushed
+        entry["bytes_pulled"] += pulled
+        entry["dense_bytes"] += 4 * plan.size
+        entry["last_bytes"] = pushed
+        self.messages += messages
+        for server, nbytes in (per_server or {}).items():
+            self.per_server[server] = self.per_server.get(server, 0) + nbytes
+
+    def as_dict(self):
+        layers = {}
+        for name, e in self.layers.items():
+            layers[name] = dict(e, bytes=e["bytes_pushed"],
+                                ratio=(e["dense_bytes"] / e["bytes_pushed"])
+                                if e["bytes_pushed"] else float("inf"))
+        steps = max((e["steps"] for e in self.layers.values()), default=0)
+        pushed = sum(e["bytes_pushed"] for e in self.layers.values())
+        dense = sum(e["dense_bytes"] for e in self.layers.values())
+        compressed = [e for e in self.layers.values() if e["policy"] != "none"]
+        c_pushed = sum(e["bytes_pushed"] for e in compressed)
+        c_dense = sum(e["dense_bytes"] for e in compressed)
+        return {
+            "steps": steps,
+            "bytes_pushed": pushed,
+            "bytes_pulled": sum(e["bytes_pulled"] for e in self.layers.values()),
+            "dense_bytes": dense,
+            "ratio": dense / pushed if pushed else float("inf"),
+            "compressed_layers_ratio": c_dense / c_pushed if c_pushed else float("inf"),
+            "messages": self.messages,
+            "messages_per_step": self.messages / steps if steps else 0.0,
+            "bytes_per_server": dict(self.per_server),
+            "layers": layers,
+        }
