@@ -66,7 +66,8 @@ def train(kvstore="device", contexts=None, epochs=10, batch_size=64, lr=0.1, mom
         if log:
             log("epoch %d  test accuracy %.4f" % (epoch + 1, acc))
     mx.nd.waitall()
-    params = {name: p.data(contexts[0]).asnumpy()
+    # keyed without the net's prefix, so runs in one process compare by layer
+    params = {name[len(net.prefix):]: p.data(contexts[0]).asnumpy()
               for name, p in net.collect_params().items()}
     stats = kv.stats() if hasattr(kv, "stats") else None
     return {"accuracy": history[-1], "history": history, "seconds": time.time() - start,

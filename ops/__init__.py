@@ -1,0 +1,175 @@
+"""mxhylo.ops: Hylo's gradient-compression operators.
+
+Two implementations with one contract:
+  * C++ (ops/src/hylo_ops.cc), registered with MXNet through its extension
+    library API and compiled on first use (see mxhylo.ops.build);
+  * an NDArray reference (mxhylo.ops.reference), the test oracle and the
+    fallback for non-CPU contexts, for MXHYLO_OPS=reference, and when the
+    library cannot be built or loaded (then one warning says why).
+
+Every function here validates its arguments (TypeError for types/dtypes,
+ValueError for shapes and values; metadata only, no engine sync) and then
+dispatches: C++ for CPU arrays when backend() == 'cpp', the reference
+otherwise. Arrays are mx.nd.NDArray; calls are asynchronous like any MXNet
+operator.
+
+Shared semantics: a = float32(grad) + residual. An element whose `a` is NaN or
+Inf is counted in stats[1], emitted as 0 (code 0 / value 0) and leaves its
+residual element unchanged; the caller is expected to raise on stats[1] > 0.
+
+MXHYLO_OPS: 'auto' (default; C++ with reference fallback), 'cpp' (raise if
+the library cannot be built), 'reference'. Read once, at first use.
+"""
+import os
+import threading
+import warnings
+
+import numpy as np
+
+from . import _checks, _cpp, build, reference
+
+__all__ = ["backend", "quantize_2bit", "l1_stats", "dequantize_2bit", "select_kernels",
+           "scatter_kernels", "set_num_threads", "reference", "build"]
+
+_lock = threading.Lock()
+_backend = []  # [name] once resolved
+
+
+def backend():
+    """'cpp' or 'reference': the implementation used for CPU arrays.
+
+    The first call builds/loads the C++ library (seconds the first time on a
+    machine, then cached). On failure it warns once and returns 'reference'.
+    """
+    if _backend:
+        return _backend[0]
+    with _lock:
+        if _backend:
+            return _backend[0]
+        mode = os.environ.get("MXHYLO_OPS", "auto").strip().lower() or "auto"
+        if mode not in ("auto", "cpp", "reference"):
+            raise ValueError("MXHYLO_OPS must be 'auto', 'cpp' or 'reference', got %r" % mode)
+        name = "reference"
+        if mode != "reference":
+            try:
+                build.load()
+                name = "cpp"
+            except build.BuildError as err:
+                if mode == "cpp":
+                    raise
+                warnings.warn("mxhylo.ops: C++ operators unavailable, using the slower NDArray "
+                              "reference: %s" % err, RuntimeWarning, stacklevel=3)
+        _backend.append(name)
+        return name
+
+
+def _use_cpp(x):
+    # cpu_pinned / cpu_shared memory is host memory too (dev_mask kCPU)
+    return x.context.device_type.startswith("cpu") and backend() == "cpp"
+
+
+def set_num_threads(n):
+    """Threads per C++ kernel call; 0 (default) follows OpenMP: OMP_NUM_THREADS
+    when set, else the thread count MXNet chose for its own CPU operators.
+    Returns the setting; no effect on the reference."""
+    if backend() != "cpp":
+        return 0
+    return build.set_num_threads(n)
+
+
+def quantize_2bit(grad, residual, threshold):
+    """2-bit quantization with error feedback.
+
+    grad: float32|float16, any shape, n elements. residual: float32, same
+    shape, UPDATED IN PLACE. threshold: float > 0, rounded to float32 (t).
+    a = grad + residual; q = +t if a >= t, -t if a <= -t, else 0; residual <- a - q.
+
+    Returns (codes, stats):
+      codes int32 (ceil(n/16),): element i's code in bits 2*(i%16)..+1 of word
+        i//16 (uint32 bits stored as int32); 0 -> 0, 1 -> +t, 2 -> -t, never 3;
+        unused tail bits 0.
+      stats float32 (2,): [sum of |a| over finite a, count of non-finite a];
+        stats[0] / n is the mean |a| the caller adapts the next threshold from.
+    """
+    t, text = _checks.threshold32(threshold, "quantize_2bit")
+    _checks.grad_residual(grad, residual, "quantize_2bit")
+    if _use_cpp(grad):
+        return _cpp.quantize_2bit(grad, residual, text)
+    return reference._quantize_2bit(grad, residual, float(t))
+
+
+def l1_stats(grad, residual):
+    """float32 (2,) [sum |a| over finite a, count non-finite a] for a = grad + residual.
+
+    Same as quantize_2bit's stats, without writing anything (first step's threshold).
+    """
+    _checks.grad_residual(grad, residual, "l1_stats")
+    if _use_cpp(grad):
+        return _cpp.l1_stats(grad, residual)
+    return reference._l1_stats(grad, residual)
+
+
+def dequantize_2bit(codes, threshold, shape, out=None, accumulate=False):
+    """Decode quantize_2bit's codes to float32 of `shape` (values 0, +t, -t).
+
+    codes: int32 (ceil(n/16),), n = prod(shape). threshold: the float that
+    produced the codes (rounded to float32 the same way). shape: tuple of ints.
+    out: optional float32 NDArray of `shape`: out[:] = decoded, or, with
+    accumulate=True, out += decoded (a server sums several workers' payloads,
+    each with its own threshold). Returns out, or a new array.
+    """
+    t, text = _checks.threshold32(threshold, "dequantize_2bit")
+    shape = _checks.shape_tuple(shape, "dequantize_2bit")
+    n = int(np.prod(shape))
+    _checks.codes(codes, n, "dequantize_2bit")
+    _checks.out_array(out, shape, codes.context, "dequantize_2bit")
+    if _use_cpp(codes):
+        return _cpp.dequantize_2bit(codes, text, shape, out, accumulate)
+    return reference._dequantize_2bit(codes, float(t), shape, out, accumulate)
+
+
+def select_kernels(grad, residual, k):
+    """Top-k convolution kernels by norm, with error feedback.
+
+    A kernel is one OUTPUT FILTER: row o of the weight viewed as (O, F),
+    F = prod(shape[1:]) (1-D arrays: F = 1). MXNet's OIHW layout makes a filter
+    one contiguous row, so selection is a row gather; and one int32 index per
+    F values stays cheap even for 1x1 convolutions (most of resnet50's
+    parameters), where per-(o, i) 2-D kernels would make the index as big as
+    the values themselves.
+
+    grad: float32|float16 (O, ...). residual: float32, same shape, UPDATED IN
+    PLACE. k: int in [0, O].
+    a = grad + residual; norm_o = L2 norm of row o of a (non-finite elements
+    count 0); the k rows of largest norm are chosen, ties to the lower index.
+
+    Returns (indices, values, stats):
+      indices int32 (k,), ascending;
+      values float32 (k, F): rows of a at indices (non-finite elements as 0);
+      stats float32 (2,): [sum over all rows of norm_o^2, count of non-finite a].
+    residual <- a with the chosen rows set to 0 (non-finite elements of a keep
+    their old residual, chosen or not).
+    """
+    _checks.grad_residual(grad, residual, "select_kernels")
+    k = _checks.k_in_range(k, grad.shape[0], "select_kernels")
+    if _use_cpp(grad):
+        return _cpp.select_kernels(grad, residual, k)
+    return reference._select_kernels(grad, residual, k)
+
+
+def scatter_kernels(indices, values, shape, out=None, accumulate=False):
+    """Dense float32 array of `shape` from select_kernels' (indices, values).
+
+    indices: int32 (k,), strictly increasing in [0, O) (as select_kernels
+    emits them; the C++ op fails the call otherwise, before writing).
+    values: float32 (k, F), F = prod(shape[1:]).
+    out=None: new array, rows `indices` = values, others 0. out given:
+    out[:] = that dense array, or, with accumulate=True, out[indices] += values
+    (other rows untouched). Returns out, or the new array.
+    """
+    shape = _checks.shape_tuple(shape, "scatter_kernels")
+    _checks.kernels(indices, values, shape, "scatter_kernels")
+    _checks.out_array(out, shape, indices.context, "scatter_kernels")
+    if _use_cpp(values):
+        return _cpp.scatter_kernels(indices, values, shape, out, accumulate)
+    return reference._scatter_kernels(indices, values, shape, out, accumulate)

@@ -1,0 +1,21 @@
+# Set-up is part of every target: a fresh machine needs only Python 3.11, make and g++.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test bench
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt setup.py
+	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; sys.exit(0 if v == (3, 11) else \
+	  "mxhylo needs Python 3.11 (mxnet 1.9.1 needs numpy<1.24, which has no wheels for %d.%d); set PYTHON=python3.11" % v)'
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -r requirements.txt
+	$(VENV)/bin/pip install -q --no-deps -e .
+	touch $@
+
+demo: setup  ## the main job: 2 workers + 1 server on the digits, over MXNet's parameter server
+	$(PY) -m mxhylo.launch -n 2 -s 1 --timeout 600 $(PY) examples/train_digits.py
+
+test: setup  ## the default test run (heavier runs: $(PY) -m pytest --runslow)
+	$(PY) -m pytest -q

@@ -1,0 +1,115 @@
+"""Wire layout of hylo payloads in MXNet parameter-server keys (shared by workers and servers).
+
+MXNet's parameter server moves float32 arrays and sums what workers push. Hylo's
+payloads are laid out so that this sum does exactly what Hylo's server must do:
+
+* ``dense`` chunks (uncompressed layers): a plain dense key; the server's sum is the
+  aggregate.
+* ``topk`` chunks (conv_topk): a row_sparse key of shape (filters, 1 + F); a worker
+  pushes only the rows of the filters it selected, so the bytes on the wire are the
+  compressed size, and the server's sum of row_sparse pushes is the scatter-add
+  decode of all workers' payloads.
+* ``2bit`` chunks (fc_2bit): 2-bit codes cannot be summed, so each worker owns a slot
+  of ``slot_rows`` rows (worker w: rows [w * slot_rows, (w + 1) * slot_rows)) and
+  pushes only those rows; the slots do not overlap, so the server's sum gathers every
+  worker's payload unchanged, and the server-side decoder (kvstore.server) decodes
+  each slot with that worker's own threshold (carried in column 0 of the slot).
+  Codes travel as 24-bit integers in float32 values (12 two-bit codes per value):
+  every integer below 2**24 is exact in float32, so adding the zeros of other slots
+  cannot alter a payload, which raw bit patterns (NaN, denormals) could not promise.
+
+Column 0 of every row_sparse key is a header: the threshold in pushed 2-bit slots,
+and 1.0 in the stored array, because MXNet drops all-zero rows when it converts the
+server's dense result to row_sparse, and its pull reads rows by position.
+The pull returns the dense float32 aggregate in rows [0, dense_rows), columns 1..C-1.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+# Largest chunk, in gradient elements. MXNet splits keys of 1e6 elements or more over
+# all servers by row ranges, which would cut workers' slots apart; hylo cuts large
+# layers itself, into chunks it places on servers one by one (load balance).
+DEFAULT_CHUNK_ELEMENTS = 1 << 19
+# Data columns of a 2-bit or dense-pull row (the row width is one more: the header).
+ROW_DATA = 1024
+CODES_PER_VALUE = 12          # 24 bits per float32 value
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """One parameter-server key carrying a piece of one layer.
+
+    kind: 'dense' | 'topk' | '2bit'; lo, hi: the piece, in elements of the flat layer
+    for dense and 2bit, in filters for topk; size: elements of the piece; cols: row
+    width C (1 header + data); rows: rows of the key; slot_rows: rows per worker's slot
+    (2bit); dense_rows: rows of the pulled aggregate; server: index of the server.
+    """
+    kind: str
+    lo: int
+    hi: int
+    size: int
+    cols: int = 0
+    rows: int = 0
+    slot_rows: int = 0
+    dense_rows: int = 0
+    server: int = 0
+
+    @property
+    def key_shape(self):
+        return (self.size,) if self.kind == "dense" else (self.rows, self.cols)
+
+
+def two_bit_values(n_elements):
+    """float32 values of one worker's 24-bit-packed codes for n_elements."""
+    words = -(-n_elements // 16)
+    return -(-words * 32 // 24)
+
+
+def plan_chunks(strategy, shape, num_workers, chunk_elements=DEFAULT_CHUNK_ELEMENTS):
+    """Split a layer into ChunkLayouts (server not yet assigned)."""
+    n = int(np.prod(shape)) if shape else 1
+    if strategy == "conv_topk":
+        filters, per_filter = shape[0], n // shape[0]
+        step = max(1, chunk_elements // per_filter)
+        return [ChunkLayout("topk", lo, min(lo + step, filters),
+                            (min(lo + step, filters) - lo) * per_filter, cols=1 + per_filter,
+                            rows=min(lo + step, filters) - lo,
+                            dense_rows=min(lo + step, filters) - lo)
+                for lo in range(0, filters, step)]
+    chunk = max(16, (chunk_elements // 16) * 16)     # 2-bit chunks start on a code word
+    pieces = [(lo, min(lo + chunk, n)) for lo in range(0, n, chunk)]
+    if strategy == "none":
+        return [ChunkLayout("dense", lo, hi, hi - lo) for lo, hi in pieces]
+    layouts = []
+    for lo, hi in pieces:
+        size = hi - lo
+        data = min(ROW_DATA, size)
+        slot_rows = -(-two_bit_values(size) // data)
+        dense_rows = -(-size // data)
+        layouts.append(ChunkLayout("2bit", lo, hi, size, cols=1 + data,
+                                   rows=max(num_workers * slot_rows, dense_rows),
+                                   slot_rows=slot_rows, dense_rows=dense_rows))
+    return layouts
+
+
+def pack_codes(codes_u8):
+    """2-bit code bytes (uint8, little-endian words) -> float32 24-bit integers."""
+    pad = (-len(codes_u8)) % 3
+    if pad:
+        codes_u8 = np.concatenate([codes_u8, np.zeros(pad, np.uint8)])
+    b = codes_u8.reshape(-1, 3).astype(np.uint32)
+    return (b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)).astype(np.float32)
+
+
+def unpack_codes(values, n_words):
+    """Inverse of pack_codes: float32 24-bit integers -> int32 code words (n_words,)."""
+    v = values.astype(np.uint32)
+    b = np.empty((len(v), 3), np.uint8)
+    b[:, 0], b[:, 1], b[:, 2] = v & 0xFF, (v >> 8) & 0xFF, (v >> 16) & 0xFF
+    return b.reshape(-1)[:4 * n_words].view(np.int32)
+
+
+def dense_rows_to_flat(data, size):
+    """Pulled rows (dense_rows, cols) -> the chunk's flat float32 aggregate (size,)."""
+    return data[:, 1:].reshape(-1)[:size]

@@ -1,0 +1,457 @@
+"""Start a parameter-server job: ``python -m mxhylo.launch -n W -s S [options] CMD...``.
+
+Starts one scheduler, S servers and W workers, all running the same CMD (as MXNet's
+tools/launch.py does: a server or scheduler process enters ps-lite's loop when it
+imports mxnet), with the environment MXNet's launcher would give each role. Each
+role's output is streamed with a prefix such as ``[worker 0] `` (the launch index,
+which is not kv.rank: ranks are assigned by the scheduler in arrival order).
+
+The job ends when every worker has exited 0 (servers and scheduler then stop by
+themselves), or as soon as a worker fails, any server or the scheduler exits while
+workers still run, --timeout passes, or the launcher gets SIGINT/SIGTERM/SIGHUP.
+Then every process group still alive gets SIGTERM, and SIGKILL after --grace
+seconds; the exit code is non-zero and the last message names the process and why.
+"""
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from mxhylo import procs
+
+ROLES = ("scheduler", "server", "worker")
+
+# Variables dmlc-tracker's ssh launcher copies from the launching shell to every remote
+# node when they are set. (It also copies AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY; we
+# do not put credentials on a command line that `ps` shows: pass them with --env.)
+SSH_PASSTHROUGH = ("OMP_NUM_THREADS", "KMP_AFFINITY", "LD_LIBRARY_PATH", "DMLC_INTERFACE")
+
+EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT = 1, 2, 124
+
+
+# ----------------------------------------------------------------------------- environment
+
+def role_env(role, num_workers, num_servers, root_uri, root_port, launcher="local",
+             task_id=None, node_host=None):
+    """The variables MXNet's tools/launch.py (dmlc-tracker) sets for one process.
+
+    scheduler (always started on the launching host): DMLC_ROLE, DMLC_PS_ROOT_URI,
+    DMLC_PS_ROOT_PORT, DMLC_NUM_WORKER, DMLC_NUM_SERVER.
+    local worker/server: those plus DMLC_TASK_ID (workers 0..W-1, then servers W..W+S-1)
+    and DMLC_JOB_CLUSTER=local.
+    ssh worker/server: those five plus DMLC_NODE_HOST (the host from the hostfile);
+    no DMLC_TASK_ID. Nothing in mxhylo reads DMLC_TASK_ID: kv.rank comes from the
+    scheduler and differs from it.
+    """
+    if role not in ROLES:
+        raise ValueError("role must be one of %s, not %r" % (ROLES, role))
+    env = {"DMLC_ROLE": role,
+           "DMLC_PS_ROOT_URI": str(root_uri),
+           "DMLC_PS_ROOT_PORT": str(root_port),
+           "DMLC_NUM_WORKER": str(num_workers),
+           "DMLC_NUM_SERVER": str(num_servers)}
+    if role == "scheduler":
+        return env
+    if launcher == "local":
+        env["DMLC_TASK_ID"] = str(task_id)
+        env["DMLC_JOB_CLUSTER"] = "local"
+    elif launcher == "ssh":
+        env["DMLC_NODE_HOST"] = str(node_host)
+    else:
+        raise ValueError("launcher must be 'local' or 'ssh', not %r" % launcher)
+    return env
+
+
+def parse_env_pairs(items, option, environ=None):
+    """['A:1', 'B'] -> {'A': '1', 'B': <B from the environment>} (MXNet's --env forms)."""
+    environ = os.environ if environ is None else environ
+    out = {}
+    for item in items:
+        if ":" in item:
+            key, value = item.split(":", 1)
+        elif item in environ:
+            key, value = item, environ[item]
+        else:
+            raise SystemExit("mxhylo.launch: %s %s: give NAME:VALUE, or the name of a "
+                             "variable set in this shell" % (option, item))
+        if not key:
+            raise SystemExit("mxhylo.launch: %s %r: empty variable name" % (option, item))
+        out[key] = value
+    return out
+
+
+def user_overrides(args, role):
+    """Variables from --env (every role) then --env-server/--env-worker (that role).
+
+    Applied after the DMLC_* variables, so they can override them: the tests point
+    workers at a wrong scheduler port this way.
+    """
+    env = parse_env_pairs(args.env, "--env")
+    if role == "server":
+        env.update(parse_env_pairs(args.env_server, "--env-server"))
+    elif role == "worker":
+        env.update(parse_env_pairs(args.env_worker, "--env-worker"))
+    return env
+
+
+# ----------------------------------------------------------------------------- commands
+
+def local_argv(command):
+    """argv for a local child: several words run as given; one word is shell text.
+
+    ``mxhylo.launch -n 2 python train.py --lr 0.1`` execs python directly (quoting
+    preserved); ``mxhylo.launch -n 2 'cd x && python train.py'`` runs ``bash -c``.
+    Like dmlc-tracker, an executable in the current directory named without a
+    slash is run as ./NAME when nothing of that name is on PATH.
+    """
+    command = list(command)
+    if len(command) == 1 and any(ch in command[0] for ch in " \t;&|<>()$`'\"*?"):
+        return ["bash", "-c", command[0]]
+    first = command[0]
+    if "/" not in first and shutil.which(first) is None and os.path.isfile(first):
+        command[0] = "./" + first
+    return command
+
+
+def command_text(command):
+    """The command as shell text (one word is already shell text; several are quoted)."""
+    return command[0] if len(command) == 1 else shlex.join(command)
+
+
+def read_hostfile(path):
+    """[(host, port)] from a hostfile: one 'host', 'host:port' or 'host slots=N' a line."""
+    hosts = []
+    with open(path) as f:
+        for line in f:
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            line = line.split("slots=", 1)[0].strip()
+            host, _, port = line.partition(":")
+            hosts.append((host, port or "22"))
+    if not hosts:
+        raise SystemExit("mxhylo.launch: hostfile %s lists no hosts" % path)
+    return hosts
+
+
+def remote_command(workdir, exports, command):
+    """The shell text one ssh session runs on the remote host.
+
+    ``cd DIR && export K=V ...; CMD`` as dmlc-tracker builds it, with CMD run as a
+    background job in its own process group (set -m) and a watcher that stops that
+    group when the session's stdin closes: the launcher closes it at teardown, and a
+    dropped connection closes it too. Without the watcher, killing the local ssh
+    would leave the remote command running (no tty, so no SIGHUP reaches it).
+    """
+    assigns = " ".join("%s=%s" % (k, shlex.quote(str(v))) for k, v in exports.items())
+    return ("cd %s && export %s && { set -m; { %s ; } </dev/null & p=$!; "
+            "{ cat >/dev/null; kill -TERM -- -$p; sleep 5; kill -KILL -- -$p; } "
+            ">/dev/null 2>&1 & w=$!; "
+            "wait $p; rc=$?; kill -- -$w 2>/dev/null; exit $rc; }"
+            % (shlex.quote(workdir), assigns, command_text(command)))
+
+
+def ssh_argv(host, port, remote, ssh_program="ssh"):
+    """argv for one ssh child: ssh -o StrictHostKeyChecking=no -p PORT HOST 'REMOTE'."""
+    return shlex.split(ssh_program) + ["-o", "StrictHostKeyChecking=no", "-p", str(port),
+                                       host, remote]
+
+
+# ----------------------------------------------------------------------------- the plan
+
+def plan_children(args, root_uri, root_port, environ=None):
+    """The Child objects of the job, scheduler first, then workers, then servers."""
+    environ = dict(os.environ if environ is None else environ)
+    # Children's output goes through a pipe; unbuffered Python keeps the lines flowing
+    # as they are printed instead of in 8 KiB blocks (a user's value is kept).
+    extra = {} if "PYTHONUNBUFFERED" in environ else {"PYTHONUNBUFFERED": "1"}
+    W, S = args.num_workers, args.num_servers
+    children = []
+
+    sched_env = dict(environ)
+    sched_env.update(role_env("scheduler", W, S, root_uri, root_port))
+    sched_env.update(extra)
+    sched_env.update(user_overrides(args, "scheduler"))
+    children.append(procs.Child("scheduler", "scheduler", local_argv(args.command), sched_env))
+
+    if args.launcher == "local":
+        # dmlc-tracker's local launcher: task ids 0..W-1 are workers, W..W+S-1 servers.
+        for task_id in range(W + S):
+            role = "worker" if task_id < W else "server"
+            index = task_id if role == "worker" else task_id - W
+            env = dict(environ)
+            env.update(role_env(role, W, S, root_uri, root_port, "local", task_id=task_id))
+            env.update(extra)
+            env.update(user_overrides(args, role))
+            children.append(procs.Child("%s %d" % (role, index), role,
+                                        local_argv(args.command), env))
+        return children
+
+    # ssh: dmlc-tracker starts servers first, then workers, host = hosts[i % len(hosts)].
+    hosts = read_hostfile(args.hostfile)
+    workdir = args.sync_dst_dir or os.getcwd()
+    for i in range(W + S):
+        role = "server" if i < S else "worker"
+        index = i if role == "server" else i - S
+        host, port = hosts[i % len(hosts)]
+        exports = {k: environ[k] for k in SSH_PASSTHROUGH if k in environ}
+        exports.update(role_env(role, W, S, root_uri, root_port, "ssh", node_host=host))
+        exports.update(extra)
+        exports.update(user_overrides(args, role))
+        argv = ssh_argv(host, port, remote_command(workdir, exports, args.command), args.ssh)
+        children.append(procs.Child("%s %d" % (role, index), role, argv, dict(environ),
+                                    host=host, keep_stdin=True))
+    return children
+
+
+def sync_dirs(args, log):
+    """--sync-dst-dir: rsync the current directory to every host first (as dmlc-tracker)."""
+    for host, port in sorted(set(read_hostfile(args.hostfile))):
+        argv = ["rsync", "-az", "--rsh=%s -o StrictHostKeyChecking=no -p %s" % (args.ssh, port),
+                os.getcwd() + "/", "%s:%s" % (host, args.sync_dst_dir)]
+        log("rsync %s -> %s:%s" % (os.getcwd(), host, args.sync_dst_dir))
+        rc = subprocess.call(argv)
+        if rc != 0:
+            raise SystemExit("mxhylo.launch: rsync to %s failed (%s)"
+                             % (host, procs.describe_returncode(rc)))
+
+
+# ----------------------------------------------------------------------------- running
+
+class Job:
+    """Runs the planned children and decides when and how the job ends."""
+
+    def __init__(self, children, timeout=None, grace=5.0, shutdown_timeout=30.0,
+                 pid_file=None, out=None, err=None):
+        self.children = children
+        self.timeout, self.grace, self.shutdown_timeout = timeout, grace, shutdown_timeout
+        self.pid_file = pid_file
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+        self.lock = threading.Lock()
+        self.stop_signal = None
+        self.started = None
+
+    def log(self, msg):
+        with self.lock:
+            self.err.write("[launch] %s\n" % msg)
+            self.err.flush()
+
+    def _on_signal(self, signum, _frame):
+        if self.stop_signal is not None and signum == signal.SIGINT:
+            # A second Ctrl-C: skip the grace period.
+            self.grace = 0.0
+        self.stop_signal = signum
+
+    def _write_pid_file(self):
+        if not self.pid_file:
+            return
+        data = {"launcher": os.getpid(),
+                "children": [{"name": c.name, "role": c.role, "pid": c.pid, "host": c.host}
+                             for c in self.children if c.pid is not None]}
+        tmp = self.pid_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, self.pid_file)
+
+    def _start_all(self):
+        # All children are forked before any pump thread starts: the preexec hook then
+        # runs in a single-threaded parent, where fork+preexec is safe.
+        for c in self.children:
+            c.start()
+        self._write_pid_file()
+        self.pumps = [procs.OutputPump(c, self.out, self.lock) for c in self.children]
+        for p in self.pumps:
+            p.start()
+        self.log("started " + ", ".join("%s pid %d" % (c.name, c.pid) for c in self.children))
+
+    def _check(self):
+        """None while the job should go on, else (exit_code, reason, culprit or None)."""
+        now = time.monotonic()
+        workers = [c for c in self.children if c.role == "worker"]
+        others = [c for c in self.children if c.role != "worker"]
+        for c in self.children:
+            c.poll()
+        if self.stop_signal is not None:
+            name = signal.Signals(self.stop_signal).name
+            return 128 + self.stop_signal, "the launcher received %s" % name, None
+        for c in workers:
+            if c.returncode not in (None, 0):
+                return EXIT_FAILED, "%s %s" % (c.describe(), procs.describe_returncode(
+                    c.returncode)), c
+        workers_running = any(c.returncode is None for c in workers)
+        for c in others:
+            if c.returncode not in (None, 0):
+                when = "while workers were still running" if workers_running else \
+                    "after the workers finished"
+                return EXIT_FAILED, "%s %s %s" % (
+                    c.describe(), procs.describe_returncode(c.returncode), when), c
+            # Servers and the scheduler exit 0 once every worker has reached ps-lite's
+            # finalize, which can be a moment before the worker processes are gone:
+            # only a clean exit that long precedes the workers' is an error.
+            if (c.returncode == 0 and workers_running
+                    and now - c.exited_at > self.shutdown_timeout):
+                return EXIT_FAILED, "%s exited with code 0 %.0f s ago while workers are " \
+                    "still running" % (c.describe(), now - c.exited_at), c
+        if self.timeout and now - self.started > self.timeout:
+            running = ", ".join(c.name for c in self.children if c.returncode is None)
+            return EXIT_TIMEOUT, "the job ran past --timeout %g s (still running: %s)" % (
+                self.timeout, running), None
+        if not workers_running:
+            if all(c.returncode is not None for c in others):
+                return 0, "all workers finished", None
+            last = max(c.exited_at for c in workers)
+            if now - last > self.shutdown_timeout:
+                running = ", ".join(c.describe() for c in others if c.returncode is None)
+                self.log("warning: %s still running %g s after all workers finished "
+                         "(a worker that skipped ps-lite's finalize leaves them waiting); "
+                         "stopping them" % (running, self.shutdown_timeout))
+                return 0, "all workers finished", None
+        return None
+
+    def run(self):
+        """Start the children, watch them, tear down; returns the launcher's exit code."""
+        handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        previous = {s: signal.signal(s, self._on_signal) for s in handled}
+        self.started = time.monotonic()
+        self.pumps = []
+        try:
+            self._start_all()
+            while True:
+                verdict = self._check()
+                if verdict is not None:
+                    break
+                time.sleep(0.1)
+        except Exception as exc:        # a launcher bug or a failed start must still
+            verdict = (EXIT_FAILED, "the launcher failed: %s: %s"   # stop what started
+                       % (type(exc).__name__, exc), None)
+        finally:
+            # Also reached on KeyboardInterrupt/SystemExit raised inside the loop.
+            if "verdict" not in locals():
+                verdict = (EXIT_FAILED, "the launcher was interrupted", None)
+            if verdict[0] != 0:
+                self.log("stopping the job: %s" % verdict[1])
+            procs.teardown(self.children, self.grace, self.log)
+            for p in self.pumps:
+                p.join(timeout=2.0)
+            for s, h in previous.items():
+                signal.signal(s, h)
+        return self._report(*verdict)
+
+    def _report(self, code, reason, culprit):
+        elapsed = time.monotonic() - self.started
+        if code == 0:
+            self.log("job finished OK in %.1f s" % elapsed)
+            return 0
+        if culprit is not None and culprit.tail:
+            self.log("last output of %s:\n%s" % (
+                culprit.name, "\n".join("    " + l for l in list(culprit.tail)[-10:])))
+        self.log("job FAILED after %.1f s: %s" % (elapsed, reason))
+        return code
+
+
+# ----------------------------------------------------------------------------- command line
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m mxhylo.launch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  python -m mxhylo.launch -n 2 -s 2 python train.py --kvstore dist_sync\n"
+               "  python -m mxhylo.launch -n 4 -s 2 python -m mxhylo.run train_imagenet.py\n"
+               "  python -m mxhylo.launch -n 4 -s 4 --launcher ssh -H hosts python -m "
+               "mxhylo.run train.py\n\n"
+               "environment (as MXNet's tools/launch.py): DMLC_ROLE, DMLC_PS_ROOT_URI, "
+               "DMLC_PS_ROOT_PORT,\nDMLC_NUM_WORKER, DMLC_NUM_SERVER; local: DMLC_TASK_ID, "
+               "DMLC_JOB_CLUSTER=local;\nssh: DMLC_NODE_HOST. Also PYTHONUNBUFFERED=1 "
+               "unless already set.")
+    p.add_argument("-n", "--num-workers", type=int, required=True,
+                   help="number of worker processes")
+    p.add_argument("-s", "--num-servers", type=int,
+                   help="number of server processes (default: the number of workers)")
+    p.add_argument("--launcher", choices=("local", "ssh"), default="local",
+                   help="start processes on this machine (default) or over ssh on the "
+                        "hosts of --hostfile")
+    p.add_argument("-H", "--hostfile",
+                   help="ssh launcher: file with one host, host:port or 'host slots=N' a line")
+    p.add_argument("--sync-dst-dir",
+                   help="ssh launcher: rsync the current directory to this directory on "
+                        "every host first and run there (default: run in the current "
+                        "directory's path)")
+    p.add_argument("--ssh", default="ssh",
+                   help="ssh program (and options) for the ssh launcher (default: ssh)")
+    p.add_argument("--host-ip", default="auto",
+                   help="scheduler address given to every process: 'auto' (default: the "
+                        "host's address, as MXNet's launcher), 'dns', or an address")
+    p.add_argument("--port", type=int, default=0,
+                   help="scheduler port (default: a free port)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME[:VALUE]",
+                   help="set NAME for every process (to VALUE, or to its value here)")
+    p.add_argument("--env-server", action="append", default=[], metavar="NAME:VALUE",
+                   help="set NAME=VALUE for the servers (overrides DMLC_* too)")
+    p.add_argument("--env-worker", action="append", default=[], metavar="NAME:VALUE",
+                   help="set NAME=VALUE for the workers (overrides DMLC_* too)")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="stop the whole job (exit code 124) after this many seconds")
+    p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
+                   help="seconds between SIGTERM and SIGKILL at teardown (default 5)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="how long servers and scheduler may take to exit after all "
+                        "workers exited 0 (then they are stopped), and how long workers "
+                        "may run on after a server or the scheduler exited 0 (then the "
+                        "job fails) (default 30)")
+    p.add_argument("--pid-file", metavar="PATH",
+                   help="write {launcher, children: [{name, role, pid, host}]} as JSON here")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print each process's command and DMLC_* environment; start nothing")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="the command every process runs (options after it are its own)")
+    return p
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command and args.command[0] == "--":
+        args.command = args.command[1:]
+    if not args.command:
+        parser.error("give the command to run, e.g. python train.py")
+    if args.num_workers < 1:
+        parser.error("-n/--num-workers must be at least 1")
+    if args.num_servers is None:
+        args.num_servers = args.num_workers
+    if args.num_servers < 1:
+        parser.error("-s/--num-servers must be at least 1 (a parameter-server job)")
+    if args.launcher == "ssh" and not args.hostfile:
+        parser.error("--launcher ssh needs -H/--hostfile")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    root_uri = procs.host_ip(args.host_ip)
+    root_port = args.port or procs.free_port()
+    children = plan_children(args, root_uri, root_port)
+    if args.dry_run:
+        for c in children:
+            dmlc = {k: v for k, v in c.env.items() if k.startswith("DMLC_")}
+            print("%s: %s\n    %s" % (c.name, shlex.join(c.argv), json.dumps(dmlc, sort_keys=True)))
+        return 0
+    job = Job(children, timeout=args.timeout, grace=args.grace,
+              shutdown_timeout=args.shutdown_timeout, pid_file=args.pid_file)
+    job.log("scheduler at %s:%d; %d worker(s), %d server(s), %s launcher"
+            % (root_uri, root_port, args.num_workers, args.num_servers, args.launcher))
+    if args.launcher == "ssh" and args.sync_dst_dir:
+        sync_dirs(args, job.log)
+    return job.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Argument validation shared by the C++ dispatch and the NDArray reference.
+
+Every check reads only NDArray metadata (dtype, shape, context), never data,
+so validation never waits for MXNet's engine. Wrong types/dtypes raise
+TypeError, wrong values/shapes ValueError; messages name the argument.
+"""
+import math
+import numbers
+
+import mxnet as mx
+import numpy as np
+
+GRAD_DTYPES = (np.float32, np.float16)
+
+
+def ndarray(x, name, dtypes, op):
+    """Require a dense mx.nd.NDArray whose dtype is one of `dtypes`."""
+    if not isinstance(x, mx.nd.NDArray):
+        raise TypeError("%s: %s must be an mx.nd.NDArray, got %s" % (op, name, type(x).__name__))
+    if x.stype != "default":
+        raise TypeError("%s: %s must be a dense NDArray, got stype %r" % (op, name, x.stype))
+    if x.dtype not in dtypes:
+        raise TypeError("%s: %s must have dtype %s, got %s" % (
+            op, name, " or ".join(np.dtype(d).name for d in dtypes), np.dtype(x.dtype).name))
+    if x.size == 0:
+        raise ValueError("%s: %s is empty (shape %s)" % (op, name, x.shape))
+    return x
+
+
+def same_context(op, *named):
+    """Require all (name, array) pairs on one context."""
+    ctx = named[0][1].context
+    for name, x in named[1:]:
+        if x.context != ctx:
+            raise ValueError("%s: %s is on %s but %s is on %s" % (
+                op, name, x.context, named[0][0], ctx))
+
+
+def grad_residual(grad, residual, op):
+    """grad float32|float16 and residual float32 of the same shape and context."""
+    ndarray(grad, "grad", GRAD_DTYPES, op)
+    ndarray(residual, "residual", (np.float32,), op)
+    if grad.shape != residual.shape:
+        raise ValueError("%s: grad shape %s and residual shape %s differ" % (
+            op, grad.shape, residual.shape))
+    same_context(op, ("grad", grad), ("residual", residual))
+
+
+def threshold32(threshold, op):
+    """Round to float32; return (np.float32 t, attribute text that parses back to t)."""
+    if isinstance(threshold, (bool, np.bool_)) or not isinstance(threshold, numbers.Real):
+        raise TypeError("%s: threshold must be a real number, got %r" % (op, threshold))
+    t = np.float32(threshold)
+    if not (math.isfinite(float(t)) and t > 0):
+        raise ValueError("%s: threshold must be finite and > 0 as float32, got %r" % (
+            op, threshold))
+    text = "%.9g" % float(t)  # 9 significant digits identify any float32
+    assert np.float32(text) == t
+    return t, text
+
+
+def shape_tuple(shape, op):
+    """A tuple of positive ints."""
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError("%s: shape must be a tuple of ints, got %r" % (op, shape)) from None
+    if not dims or not all(isinstance(d, numbers.Integral) and not isinstance(d, bool)
+                           and d > 0 for d in dims):
+        raise ValueError("%s: shape must be a non-empty tuple of positive ints, got %r" % (
+            op, shape))
+    return tuple(int(d) for d in dims)
+
+
+def shape_text(shape):
+    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def num_words(n):
+    """int32 words holding n 2-bit codes."""
+    return (n + 15) // 16
+
+
+def codes(c, n, op):
+    ndarray(c, "codes", (np.int32,), op)
+    if c.shape != (num_words(n),):
+        raise ValueError("%s: codes must have shape (%d,) for %d elements, got %s" % (
+            op, num_words(n), n, c.shape))
+
+
+def out_array(out, shape, ctx, op):
+    """`out` (if given) must be float32 of `shape` on `ctx`."""
+    if out is None:
+        return
+    ndarray(out, "out", (np.float32,), op)
+    if out.shape != shape:
+        raise ValueError("%s: out has shape %s, expected %s" % (op, out.shape, shape))
+    if out.context != ctx:
+        raise ValueError("%s: out is on %s but the input is on %s" % (op, out.context, ctx))
+
+
+def rows_and_width(shape):
+    """(O, F): the array viewed as O rows (output filters) of F elements."""
+    rows = shape[0]
+    width = 1
+    for d in shape[1:]:
+        width *= d
+    return rows, width
+
+
+def k_in_range(k, rows, op):
+    if isinstance(k, (bool, np.bool_)) or not isinstance(k, numbers.Integral):
+        raise TypeError("%s: k must be an int, got %r" % (op, k))
+    if not 0 <= k <= rows:
+        raise ValueError("%s: k=%d is out of range [0, %d] (O = shape[0])" % (op, k, rows))
+    return int(k)
+
+
+def kernels(indices, values, shape, op):
+    """indices int32 (k,), values float32 (k, F) for an array of `shape`."""
+    ndarray_or_empty(indices, "indices", (np.int32,), op)
+    ndarray_or_empty(values, "values", (np.float32,), op)
+    rows, width = rows_and_width(shape)
+    if indices.ndim != 1 or values.shape != (indices.shape[0], width):
+        raise ValueError("%s: need indices (k,) and values (k, %d) for shape %s, got %s and %s"
+                         % (op, width, shape, indices.shape, values.shape))
+    if indices.shape[0] > rows:
+        raise ValueError("%s: %d indices for %d rows" % (op, indices.shape[0], rows))
+    same_context(op, ("indices", indices), ("values", values))
+
+
+def ndarray_or_empty(x, name, dtypes, op):
+    """Like ndarray() but allows zero size (k = 0 payloads)."""
+    if not isinstance(x, mx.nd.NDArray):
+        raise TypeError("%s: %s must be an mx.nd.NDArray, got %s" % (op, name, type(x).__name__))
+    if x.dtype not in dtypes:
+        raise TypeError("%s: %s must have dtype %s, got %s" % (
+            op, name, " or ".join(np.dtype(d).name for d in dtypes), np.dtype(x.dtype).name))

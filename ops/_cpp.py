@@ -1,0 +1,49 @@
+"""Thin calls into the C++ operators (mx.nd.hylo_*), arguments already validated.
+
+The library must be loaded (build.load()) before these are called. Zero-size
+results (k = 0) are made here: MXNet 1.x shape inference treats a 0 dimension
+as "unknown", so an operator cannot return a (0,) array; the C++ op returns
+one dummy row that is dropped.
+"""
+import mxnet as mx
+import numpy as np
+
+from . import _checks
+
+
+def quantize_2bit(grad, residual, threshold_text):
+    codes, stats = mx.nd.hylo_quantize_2bit(grad, residual, threshold=threshold_text)
+    return codes, stats
+
+
+def l1_stats(grad, residual):
+    return mx.nd.hylo_l1_stats(grad, residual)
+
+
+def dequantize_2bit(codes, threshold_text, shape, out, accumulate):
+    if out is not None and accumulate:
+        # in place: MXNet hands `out` to the op as input and output
+        return mx.nd.hylo_dequantize_2bit_add(codes, out, threshold=threshold_text, out=out)
+    return mx.nd.hylo_dequantize_2bit(codes, threshold=threshold_text,
+                                      shape=_checks.shape_text(shape), out=out)
+
+
+def select_kernels(grad, residual, k):
+    indices, values, stats = mx.nd.hylo_select_kernels(grad, residual, k=str(k))
+    if k == 0:
+        width = values.shape[1]
+        indices = mx.nd.empty((0,), ctx=grad.context, dtype=np.int32)
+        values = mx.nd.empty((0, width), ctx=grad.context, dtype=np.float32)
+    return indices, values, stats
+
+
+def scatter_kernels(indices, values, shape, out, accumulate):
+    if indices.shape[0] == 0:  # see module docstring
+        if out is None:
+            return mx.nd.zeros(shape, ctx=values.context)
+        if not accumulate:
+            out[:] = 0
+        return out
+    if out is not None and accumulate:
+        return mx.nd.hylo_scatter_kernels_add(indices, values, out, out=out)
+    return mx.nd.hylo_scatter_kernels(indices, values, shape=_checks.shape_text(shape), out=out)

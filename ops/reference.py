@@ -1,0 +1,188 @@
+"""NDArray reference implementation of the compression operators.
+
+The oracle for the C++ library and its fallback (non-CPU contexts, a failed
+build, or MXHYLO_OPS=reference). Composed of mx.nd operations only, so it
+runs wherever MXNet does; about 10-40x slower than the C++ path on CPU.
+Same signatures and semantics as mxhylo.ops (see its docstrings); these
+functions validate their arguments too, so they can be called directly.
+
+Exactness: a = float32(grad) + residual and residual <- a - q are the same
+float32 operations as in C++, so residuals, codes, indices and values are
+bit-identical; the statistics are sums in a different order (rtol ~1e-6).
+Row norms are summed in float64, so tie breaking only differs from C++ for
+two rows whose float64 norms differ by a rounding error; equal rows tie in
+both.
+"""
+import numpy as np
+import mxnet as mx
+
+from . import _checks
+
+_TWO32 = float(2 ** 32)
+_TWO31 = float(2 ** 31)
+
+
+def _fold(grad, residual):
+    """a = float32(grad) + residual, and the finite mask of a (float32 1/0)."""
+    a = grad.astype(np.float32, copy=False) + residual
+    return a, mx.nd.contrib.isfinite(a)
+
+
+def _stats(absum, finite):
+    """float32 (2,): [absum, count of non-finite]."""
+    bad = finite.size - mx.nd.sum(finite)
+    return mx.nd.concat(absum.reshape((1,)).astype(np.float32), bad.reshape((1,)), dim=0)
+
+
+def _l1(a, finite):
+    return mx.nd.sum(mx.nd.where(finite, mx.nd.abs(a), mx.nd.zeros_like(a)))
+
+
+def _pack_codes(code, n):
+    """float32 codes in {0,1,2} (n,) -> int32 words, 16 codes per word, LSB first."""
+    words = _checks.num_words(n)
+    c = code.reshape((-1,)).astype(np.float64)
+    if words * 16 > n:
+        c = mx.nd.concat(c, mx.nd.zeros((words * 16 - n,), ctx=c.context, dtype=np.float64),
+                         dim=0)
+    weights = mx.nd.array((4.0 ** np.arange(16)).reshape((1, 16)), ctx=c.context,
+                          dtype=np.float64)
+    value = mx.nd.sum(mx.nd.broadcast_mul(c.reshape((words, 16)), weights), axis=1)
+    # exact in float64 (< 2^32); wrap to the int32 with the same bits
+    return (value - (value >= _TWO31) * _TWO32).astype(np.int32)
+
+
+def _unpack_codes(codes, n):
+    """int32 words -> float32 (n,) of {0, +1, -1} (code 3 -> 0)."""
+    words = codes.shape[0]
+    v = codes.astype(np.float64)
+    v = v + (v < 0) * _TWO32  # the uint32 bit pattern, exact in float64
+    scale = mx.nd.array((4.0 ** np.arange(16)).reshape((1, 16)), ctx=codes.context,
+                        dtype=np.float64)
+    c = mx.nd.floor(mx.nd.broadcast_div(v.reshape((words, 1)), scale)) % 4
+    sign = (c == 1) - (c == 2)
+    return mx.nd.slice_axis(sign.reshape((-1,)), axis=0, begin=0, end=n).astype(np.float32)
+
+
+def quantize_2bit(grad, residual, threshold):
+    """See mxhylo.ops.quantize_2bit."""
+    t, _ = _checks.threshold32(threshold, "quantize_2bit")
+    _checks.grad_residual(grad, residual, "quantize_2bit")
+    return _quantize_2bit(grad, residual, float(t))
+
+
+def _quantize_2bit(grad, residual, t):
+    a, finite = _fold(grad, residual)
+    pos = (a >= t) * finite
+    neg = (a <= -t) * finite
+    q = (pos - neg) * t
+    residual[:] = mx.nd.where(finite, a - q, residual)
+    codes = _pack_codes(pos + 2 * neg, a.size)
+    return codes, _stats(_l1(a, finite), finite)
+
+
+def l1_stats(grad, residual):
+    """See mxhylo.ops.l1_stats."""
+    _checks.grad_residual(grad, residual, "l1_stats")
+    return _l1_stats(grad, residual)
+
+
+def _l1_stats(grad, residual):
+    a, finite = _fold(grad, residual)
+    return _stats(_l1(a, finite), finite)
+
+
+def dequantize_2bit(codes, threshold, shape, out=None, accumulate=False):
+    """See mxhylo.ops.dequantize_2bit."""
+    t, _ = _checks.threshold32(threshold, "dequantize_2bit")
+    shape = _checks.shape_tuple(shape, "dequantize_2bit")
+    n = int(np.prod(shape))
+    _checks.codes(codes, n, "dequantize_2bit")
+    _checks.out_array(out, shape, codes.context, "dequantize_2bit")
+    return _dequantize_2bit(codes, float(t), shape, out, accumulate)
+
+
+def _dequantize_2bit(codes, t, shape, out, accumulate):
+    n = int(np.prod(shape))
+    dense = (_unpack_codes(codes, n) * t).reshape(shape)
+    if out is None:
+        return dense
+    if accumulate:
+        out += dense
+    else:
+        out[:] = dense
+    return out
+
+
+def select_kernels(grad, residual, k):
+    """See mxhylo.ops.select_kernels."""
+    _checks.grad_residual(grad, residual, "select_kernels")
+    k = _checks.k_in_range(k, grad.shape[0], "select_kernels")
+    return _select_kernels(grad, residual, k)
+
+
+def _select_kernels(grad, residual, k):
+    rows, width = _checks.rows_and_width(grad.shape)
+    ctx = grad.context
+    a, finite = _fold(grad.reshape((rows, width)), residual.reshape((rows, width)))
+    a0 = mx.nd.where(finite, a, mx.nd.zeros_like(a))
+    norm2 = mx.nd.sum(mx.nd.square(a0.astype(np.float64)), axis=1)  # (O,) float64
+    stats = _stats(mx.nd.sum(norm2), finite)
+    if k == 0:
+        residual[:] = mx.nd.where(finite, a, residual.reshape((rows, width))).reshape(grad.shape)
+        return (mx.nd.empty((0,), ctx=ctx, dtype=np.int32),
+                mx.nd.empty((0, width), ctx=ctx, dtype=np.float32), stats)
+    # MXNet's CPU topk is not stable, so ties are broken by hand: rank rows by
+    # (class, -index) with class 2 = norm above the k-th largest, 1 = equal to
+    # it, 0 = below. The key is unique, so topk's ordering of ties is moot.
+    kth = mx.nd.slice_axis(mx.nd.topk(norm2, k=k, ret_typ="value"), axis=0, begin=k - 1, end=k)
+    klass = 2 * mx.nd.broadcast_greater(norm2, kth) + mx.nd.broadcast_equal(norm2, kth)
+    key = klass * (rows + 1) + (rows - mx.nd.arange(rows, ctx=ctx, dtype=np.float64))
+    chosen = mx.nd.topk(key, k=k, ret_typ="indices", dtype=np.float64)
+    indices = mx.nd.sort(chosen).astype(np.int32)
+    values = mx.nd.take(a0, indices, axis=0)
+    picked = mx.nd.scatter_nd(mx.nd.ones((k,), ctx=ctx), indices.reshape((1, k)), shape=(rows,))
+    kept = mx.nd.where(picked, mx.nd.zeros_like(a), a)
+    residual[:] = mx.nd.where(finite, kept, residual.reshape((rows, width))).reshape(grad.shape)
+    return indices, values, stats
+
+
+def scatter_kernels(indices, values, shape, out=None, accumulate=False):
+    """See mxhylo.ops.scatter_kernels."""
+    shape = _checks.shape_tuple(shape, "scatter_kernels")
+    _checks.kernels(indices, values, shape, "scatter_kernels")
+    _checks.out_array(out, shape, indices.context, "scatter_kernels")
+    return _scatter_kernels(indices, values, shape, out, accumulate)
+
+
+def check_indices(indices, rows, op="scatter_kernels"):
+    """Indices strictly increasing in [0, rows): what the C++ op checks too."""
+    idx = indices.asnumpy()
+    if idx.size and (idx[0] < 0 or idx[-1] >= rows or np.any(np.diff(idx) <= 0)):
+        raise ValueError("%s: indices must be strictly increasing and in [0, %d), got %s" % (
+            op, rows, idx))
+
+
+def _scatter_kernels(indices, values, shape, out, accumulate):
+    rows, width = _checks.rows_and_width(shape)
+    ctx = values.context
+    k = indices.shape[0]
+    check_indices(indices, rows)
+    if k == 0:
+        if out is None:
+            return mx.nd.zeros(shape, ctx=ctx)
+        if not accumulate:
+            out[:] = 0
+        return out
+    where = indices.reshape((1, k))
+    if out is not None and accumulate:
+        out2d = out.reshape((rows, width))  # a view: writes land in out
+        summed = mx.nd.take(out2d, indices, axis=0) + values
+        mx.nd._internal._scatter_set_nd(lhs=out2d, rhs=summed, indices=where,
+                                        shape=(rows, width), out=out2d)
+        return out
+    dense = mx.nd.scatter_nd(values, where, shape=(rows, width)).reshape(shape)
+    if out is None:
+        return dense
+    out[:] = dense
+    return out

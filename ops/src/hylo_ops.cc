@@ -1,0 +1,865 @@
+// Hylo gradient-compression operators for MXNet's extension library API
+// (mxnet/lib_api.h, MXNet >= 1.9). Loaded by mxhylo/ops/build.py with
+// mx.library.load(); the ops then appear as mx.nd.hylo_*.
+//
+// Operators (all CPU, dense, float32 unless stated; n = elements of grad):
+//   hylo_quantize_2bit(grad f32|f16, residual f32 [mutated]; threshold)
+//       -> codes int32 (ceil(n/16),), stats f32 (2,)
+//   hylo_l1_stats(grad f32|f16, residual f32) -> stats f32 (2,)
+//   hylo_dequantize_2bit(codes int32; threshold, shape) -> out f32 shape
+//   hylo_dequantize_2bit_add(codes int32, acc f32; threshold) -> acc + decoded
+//   hylo_select_kernels(grad f32|f16 (O,..), residual f32 [mutated]; k)
+//       -> indices int32 (max(k,1),), values f32 (max(k,1), F), stats f32 (2,)
+//   hylo_scatter_kernels(indices int32 (k,), values f32 (k,F); shape) -> dense f32
+//   hylo_scatter_kernels_add(indices, values, acc f32) -> acc with rows += values
+// The *_add operators are called with out=acc: MXNet then hands the same
+// buffer as input and output, so only the touched data is read and written.
+// Python (mxhylo/ops/__init__.py) validates arguments first and handles the
+// zero-size cases MXNet 1.x cannot express as operator outputs (k = 0, n = 0).
+//
+// Semantics shared with the NDArray reference (mxhylo/ops/reference.py):
+// a = float(grad) + residual in float32; a non-finite `a` is never folded into
+// the residual (its residual element stays unchanged), gets code 0 / value 0,
+// and is counted in stats[1] so the caller can raise an error naming the layer.
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <locale>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "mxnet/lib_api.h"
+
+using namespace mxnet::ext;  // NOLINT
+
+namespace {
+
+typedef std::unordered_map<std::string, std::string> Attrs;
+
+// ---------------------------------------------------------------- threading
+// 0 = follow OpenMP: omp_get_max_threads() in the calling engine thread, which
+// is OMP_NUM_THREADS when set and otherwise the count MXNet chose for its own
+// operators. hylo_set_num_threads() overrides it (used by the benchmark).
+int g_num_threads = 0;
+
+// Below this many elements per thread the fork/join costs more than it saves.
+const int64_t kMinElemsPerThread = 1 << 16;
+
+int threads_for(int64_t elements) {
+#ifdef _OPENMP
+  int nt = g_num_threads > 0 ? g_num_threads : omp_get_max_threads();
+  int64_t useful = elements / kMinElemsPerThread;
+  if (useful < nt) nt = static_cast<int>(useful);
+  return nt < 1 ? 1 : nt;
+#else
+  (void)elements;
+  return 1;
+#endif
+}
+
+// Runs body(tid, begin, end) over a static split of [0, items) into at most
+// `nt` contiguous ranges; returns the number of ranges actually used.
+template <typename Body>
+int parallel_ranges(int64_t items, int nt, Body body) {
+  if (nt <= 1 || items < 2) {
+    body(0, int64_t(0), items);
+    return 1;
+  }
+  int used = 1;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+  {
+    const int tid = omp_get_thread_num();
+    const int got = omp_get_num_threads();
+    if (tid == 0) used = got;
+    body(tid, items * tid / got, items * (tid + 1) / got);
+  }
+#else
+  body(0, int64_t(0), items);
+#endif
+  return used;
+}
+
+// ---------------------------------------------------------------- helpers
+inline bool is_finite(float a) { return std::fabs(a) <= FLT_MAX; }  // false for NaN, Inf
+
+// IEEE half -> float, exact (used when the compiler has no F16C).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1fu) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  } else {
+    const float f = static_cast<float>(man) * 5.9604644775390625e-08f;  // man * 2^-24, exact
+    return sign ? -f : f;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Gradient elements as float32: float32 data is used in place, float16 is
+// converted chunk by chunk into `buf` (which stays in L1).
+inline const float* as_float(const float* g, int64_t, float*) { return g; }
+inline const float* as_float(const uint16_t* g, int64_t m, float* buf) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= m; i += 8) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + i));
+    _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(h));
+  }
+#endif
+  for (; i < m; ++i) buf[i] = half_to_float(g[i]);
+  return buf;
+}
+
+int64_t shape_size(const std::vector<int64_t>& s) {
+  int64_t n = 1;
+  for (size_t i = 0; i < s.size(); ++i) n *= s[i];
+  return n;
+}
+int64_t shape_size(const std::vector<unsigned int>& s) {
+  int64_t n = 1;
+  for (size_t i = 0; i < s.size(); ++i) n *= s[i];
+  return n;
+}
+
+bool get_attr(const Attrs& attrs, const char* key, std::string* val) {
+  Attrs::const_iterator it = attrs.find(key);
+  if (it == attrs.end()) {
+    MX_ERROR_MSG << "missing attribute '" << key << "'";
+    return false;
+  }
+  *val = it->second;
+  return true;
+}
+
+// Threshold arrives as text ('%.9g' of a float32), parsed in the classic
+// locale so a process-wide setlocale() cannot turn '.' into ','.
+bool parse_threshold(const Attrs& attrs, float* t) {
+  std::string s;
+  if (!get_attr(attrs, "threshold", &s)) return false;
+  std::istringstream in(s);
+  in.imbue(std::locale::classic());
+  float v = 0.f;
+  in >> v;
+  if (in.fail() || !is_finite(v) || !(v > 0.f)) {
+    MX_ERROR_MSG << "threshold must be a finite float > 0, got '" << s << "'";
+    return false;
+  }
+  *t = v;
+  return true;
+}
+
+bool parse_int(const Attrs& attrs, const char* key, int64_t* out) {
+  std::string s;
+  if (!get_attr(attrs, key, &s)) return false;
+  std::istringstream in(s);
+  in.imbue(std::locale::classic());
+  long long v = -1;  // NOLINT
+  in >> v;
+  if (in.fail() || v < 0) {
+    MX_ERROR_MSG << "attribute '" << key << "' must be an integer >= 0, got '" << s << "'";
+    return false;
+  }
+  *out = v;
+  return true;
+}
+
+// "(5, 3, 3, 3)" / "[7, 1]" / "5,3" -> {5, 3, 3, 3}
+bool parse_shape(const Attrs& attrs, std::vector<unsigned int>* shape) {
+  std::string s;
+  if (!get_attr(attrs, "shape", &s)) return false;
+  shape->clear();
+  uint64_t cur = 0;
+  bool in_num = false;
+  for (size_t i = 0; i <= s.size(); ++i) {
+    const char c = i < s.size() ? s[i] : ',';
+    if (c >= '0' && c <= '9') {
+      cur = cur * 10 + static_cast<uint64_t>(c - '0');
+      in_num = true;
+      if (cur > 0xffffffffull) break;
+    } else if (c == ',' || c == ')' || c == ']' || c == ' ') {
+      if (in_num) shape->push_back(static_cast<unsigned int>(cur));
+      cur = 0;
+      in_num = false;
+    } else if (c != '(' && c != '[' && c != 'L') {
+      shape->clear();
+      break;
+    }
+  }
+  if (shape->empty() || shape_size(*shape) == 0) {
+    MX_ERROR_MSG << "attribute 'shape' must be a tuple of positive ints, got '" << s << "'";
+    return false;
+  }
+  return true;
+}
+
+bool expect_inputs(const std::vector<std::vector<unsigned int> >& in, size_t n,
+                   const char* op) {
+  if (in.size() != n) {
+    MX_ERROR_MSG << op << ": expected " << n << " inputs, got " << in.size();
+    return false;
+  }
+  return true;
+}
+
+bool is_grad_type(int t) { return t == kFloat32 || t == kFloat16; }
+
+std::vector<unsigned int> dims(std::initializer_list<int64_t> l) {
+  std::vector<unsigned int> v;
+  for (int64_t x : l) v.push_back(static_cast<unsigned int>(x));
+  return v;
+}
+
+MXReturnValue mutate_residual(const Attrs&, std::vector<int>* idx) {
+  idx->push_back(1);  // residual is updated in place
+  return MX_SUCCESS;
+}
+
+// ===================================================== 2-bit quantization
+// Elements per inner chunk: the code and |a| buffers live in L1.
+const int64_t kChunk = 1024;
+
+// Quantizes words [w0, w1) (elements [16*w0, min(16*w1, n))). When codes is
+// null only the statistics are computed and nothing is written.
+template <typename T, bool kWrite>
+void quantize_range(const T* g, float* r, uint32_t* codes, int64_t n, float t,
+                    int64_t w0, int64_t w1, double* l1_out, double* bad_out) {
+  float gbuf[kChunk];
+  uint32_t cbuf[kChunk];
+  double l1 = 0.0;
+  int64_t bad = 0;
+  for (int64_t wc = w0; wc < w1; wc += kChunk / 16) {
+    const int64_t we = std::min(wc + kChunk / 16, w1);
+    const int64_t e0 = wc * 16;
+    const int64_t m = std::min(we * 16, n) - e0;
+    const float* gf = as_float(g + e0, m, gbuf);
+    float* rr = r + e0;
+    float s = 0.f;
+    int32_t nb = 0;
+    // Branch-free so it vectorizes; the reduction order is fixed by the
+    // simd lanes, which keeps results independent of the thread count.
+#pragma omp simd reduction(+ : s, nb)
+    for (int64_t i = 0; i < m; ++i) {
+      const float a = gf[i] + rr[i];
+      const bool fin = is_finite(a);
+      const bool pos = a >= t;
+      const bool neg = a <= -t;
+      const float q = pos ? t : (neg ? -t : 0.f);
+      s += fin ? std::fabs(a) : 0.f;
+      nb += fin ? 0 : 1;
+      if (kWrite) {
+        cbuf[i] = fin ? (static_cast<uint32_t>(pos) | (static_cast<uint32_t>(neg) << 1)) : 0u;
+        rr[i] = fin ? a - q : rr[i];
+      }
+    }
+    l1 += s;
+    bad += nb;
+    if (kWrite) {
+      for (int64_t i = m; i < (we - wc) * 16; ++i) cbuf[i] = 0;  // unused tail bits are zero
+      for (int64_t w = 0; w < we - wc; ++w) {
+        uint32_t word = 0;
+        for (int j = 0; j < 16; ++j) word |= cbuf[w * 16 + j] << (2 * j);
+        codes[wc + w] = word;
+      }
+    }
+  }
+  *l1_out = l1;
+  *bad_out = static_cast<double>(bad);
+}
+
+template <typename T, bool kWrite>
+void quantize_all(const T* g, float* r, uint32_t* codes, int64_t n, float t, float* stats) {
+  const int64_t words = (n + 15) / 16;
+  const int nt = threads_for(n);
+  std::vector<double> l1(nt, 0.0), bad(nt, 0.0);
+  parallel_ranges(words, nt, [&](int tid, int64_t b, int64_t e) {
+    quantize_range<T, kWrite>(g, r, codes, n, t, b, e, &l1[tid], &bad[tid]);
+  });
+  double s = 0.0, c = 0.0;
+  for (int i = 0; i < nt; ++i) {
+    s += l1[i];
+    c += bad[i];
+  }
+  stats[0] = static_cast<float>(s);
+  stats[1] = static_cast<float>(c);
+}
+
+MXReturnValue quantize_parse(const Attrs& attrs, int* nin, int* nout) {
+  float t;
+  if (!parse_threshold(attrs, &t)) return MX_FAIL;
+  *nin = 2;
+  *nout = 2;
+  return MX_SUCCESS;
+}
+
+bool grad_residual_types(const std::vector<int>& in, const char* op) {
+  if (in.size() != 2 || !is_grad_type(in[0]) || in[1] != kFloat32) {
+    MX_ERROR_MSG << op << ": grad must be float32 or float16 and residual float32";
+    return false;
+  }
+  return true;
+}
+
+bool grad_residual_shapes(const std::vector<std::vector<unsigned int> >& in, const char* op) {
+  if (!expect_inputs(in, 2, op)) return false;
+  if (in[0] != in[1]) {
+    MX_ERROR_MSG << op << ": grad and residual shapes differ";
+    return false;
+  }
+  return true;
+}
+
+MXReturnValue quantize_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
+  if (!grad_residual_types(*in, "hylo_quantize_2bit")) return MX_FAIL;
+  (*out)[0] = kInt32;
+  (*out)[1] = kFloat32;
+  return MX_SUCCESS;
+}
+
+MXReturnValue quantize_shape(const Attrs&, std::vector<std::vector<unsigned int> >* in,
+                             std::vector<std::vector<unsigned int> >* out) {
+  if (!grad_residual_shapes(*in, "hylo_quantize_2bit")) return MX_FAIL;
+  (*out)[0] = dims({(shape_size((*in)[0]) + 15) / 16});
+  (*out)[1] = dims({2});
+  return MX_SUCCESS;
+}
+
+MXReturnValue quantize_forward(const Attrs& attrs, std::vector<MXTensor>* in,
+                               std::vector<MXTensor>* out, const OpResource&) {
+  float t;
+  if (!parse_threshold(attrs, &t)) return MX_FAIL;
+  MXTensor& g = (*in)[0];
+  float* r = (*in)[1].data<float>();
+  uint32_t* codes = (*out)[0].data<uint32_t>();
+  float* stats = (*out)[1].data<float>();
+  const int64_t n = g.size();
+  if (g.dtype == kFloat16)
+    quantize_all<uint16_t, true>(g.data<uint16_t>(), r, codes, n, t, stats);
+  else
+    quantize_all<float, true>(g.data<float>(), r, codes, n, t, stats);
+  return MX_SUCCESS;
+}
+
+MXReturnValue stats_parse(const Attrs&, int* nin, int* nout) {
+  *nin = 2;
+  *nout = 1;
+  return MX_SUCCESS;
+}
+
+MXReturnValue stats_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
+  if (!grad_residual_types(*in, "hylo_l1_stats")) return MX_FAIL;
+  (*out)[0] = kFloat32;
+  return MX_SUCCESS;
+}
+
+MXReturnValue stats_shape(const Attrs&, std::vector<std::vector<unsigned int> >* in,
+                          std::vector<std::vector<unsigned int> >* out) {
+  if (!grad_residual_shapes(*in, "hylo_l1_stats")) return MX_FAIL;
+  (*out)[0] = dims({2});
+  return MX_SUCCESS;
+}
+
+MXReturnValue stats_forward(const Attrs&, std::vector<MXTensor>* in,
+                            std::vector<MXTensor>* out, const OpResource&) {
+  MXTensor& g = (*in)[0];
+  float* r = (*in)[1].data<float>();  // read only: kWrite = false
+  float* stats = (*out)[0].data<float>();
+  const int64_t n = g.size();
+  // t only matters for writes; any positive value will do.
+  if (g.dtype == kFloat16)
+    quantize_all<uint16_t, false>(g.data<uint16_t>(), r, nullptr, n, 1.f, stats);
+  else
+    quantize_all<float, false>(g.data<float>(), r, nullptr, n, 1.f, stats);
+  return MX_SUCCESS;
+}
+
+// ===================================================== 2-bit dequantization
+// out[i] (= or +=) {0, +t, -t, 0}[code]; code 3 is never produced and decodes to 0.
+template <bool kAdd>
+void dequantize_all(const uint32_t* codes, float* out, int64_t n, float t) {
+  const int64_t full = n / 16;
+  parallel_ranges(full, threads_for(n), [&](int, int64_t b, int64_t e) {
+    for (int64_t w = b; w < e; ++w) {
+      const uint32_t word = codes[w];
+      float* o = out + w * 16;
+      for (int j = 0; j < 16; ++j) {
+        const uint32_t c = (word >> (2 * j)) & 3u;
+        const float v = static_cast<float>(static_cast<int>(c & 1u) - static_cast<int>(c >> 1)) * t;
+        o[j] = kAdd ? o[j] + v : v;
+      }
+    }
+  });
+  if (full * 16 < n) {
+    const uint32_t word = codes[full];
+    for (int64_t i = full * 16; i < n; ++i) {
+      const uint32_t c = (word >> (2 * (i - full * 16))) & 3u;
+      const float v = static_cast<float>(static_cast<int>(c & 1u) - static_cast<int>(c >> 1)) * t;
+      out[i] = kAdd ? out[i] + v : v;
+    }
+  }
+}
+
+MXReturnValue deq_parse(const Attrs& attrs, int* nin, int* nout) {
+  float t;
+  std::vector<unsigned int> shape;
+  if (!parse_threshold(attrs, &t) || !parse_shape(attrs, &shape)) return MX_FAIL;
+  *nin = 1;
+  *nout = 1;
+  return MX_SUCCESS;
+}
+
+MXReturnValue deq_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
+  if ((*in)[0] != kInt32) {
+    MX_ERROR_MSG << "hylo_dequantize_2bit: codes must be int32";
+    return MX_FAIL;
+  }
+  for (size_t i = 1; i < in->size(); ++i) {
+    if ((*in)[i] != kFloat32) {
+      MX_ERROR_MSG << "hylo_dequantize_2bit_add: acc must be float32";
+      return MX_FAIL;
+    }
+  }
+  (*out)[0] = kFloat32;
+  return MX_SUCCESS;
+}
+
+bool check_codes(const std::vector<unsigned int>& codes, int64_t n) {
+  if (codes.size() != 1 || static_cast<int64_t>(codes[0]) != (n + 15) / 16) {
+    MX_ERROR_MSG << "hylo_dequantize_2bit: codes must have shape (" << (n + 15) / 16
+                 << ",) for " << n << " elements";
+    return false;
+  }
+  return true;
+}
+
+MXReturnValue deq_shape(const Attrs& attrs, std::vector<std::vector<unsigned int> >* in,
+                        std::vector<std::vector<unsigned int> >* out) {
+  std::vector<unsigned int> shape;
+  if (!expect_inputs(*in, 1, "hylo_dequantize_2bit") || !parse_shape(attrs, &shape) ||
+      !check_codes((*in)[0], shape_size(shape)))
+    return MX_FAIL;
+  (*out)[0] = shape;
+  return MX_SUCCESS;
+}
+
+MXReturnValue deq_forward(const Attrs& attrs, std::vector<MXTensor>* in,
+                          std::vector<MXTensor>* out, const OpResource&) {
+  float t;
+  if (!parse_threshold(attrs, &t)) return MX_FAIL;
+  dequantize_all<false>((*in)[0].data<uint32_t>(), (*out)[0].data<float>(), (*out)[0].size(), t);
+  return MX_SUCCESS;
+}
+
+MXReturnValue deq_add_parse(const Attrs& attrs, int* nin, int* nout) {
+  float t;
+  if (!parse_threshold(attrs, &t)) return MX_FAIL;
+  *nin = 2;
+  *nout = 1;
+  return MX_SUCCESS;
+}
+
+MXReturnValue deq_add_shape(const Attrs&, std::vector<std::vector<unsigned int> >* in,
+                            std::vector<std::vector<unsigned int> >* out) {
+  if (!expect_inputs(*in, 2, "hylo_dequantize_2bit_add") ||
+      !check_codes((*in)[0], shape_size((*in)[1])))
+    return MX_FAIL;
+  (*out)[0] = (*in)[1];
+  return MX_SUCCESS;
+}
+
+MXReturnValue deq_add_forward(const Attrs& attrs, std::vector<MXTensor>* in,
+                              std::vector<MXTensor>* out, const OpResource&) {
+  float t;
+  if (!parse_threshold(attrs, &t)) return MX_FAIL;
+  const float* acc = (*in)[1].data<float>();
+  float* o = (*out)[0].data<float>();
+  const int64_t n = (*out)[0].size();
+  if (o != acc) std::memcpy(o, acc, n * sizeof(float));  // called without out=acc
+  dequantize_all<true>((*in)[0].data<uint32_t>(), o, n, t);
+  return MX_SUCCESS;
+}
+
+// ===================================================== kernel (filter) top-k
+// A kernel is one output filter: row o of the weight viewed as (O, F).
+// Pass 1 (one read of grad and residual): a = grad + residual, row norms,
+// residual <- a (finite elements). Pass 2 touches only the k chosen rows:
+// values <- residual row, residual row <- 0. A chunk of a row that holds a
+// non-finite `a` keeps a copy of its old residual so pass 2 can tell which
+// elements were non-finite (emit 0, keep the old residual) — rare by nature.
+
+const int64_t kRowChunk = 4096;  // elements per row chunk; multiple of 8
+
+struct DirtyChunk {
+  int64_t row;
+  int64_t offset;              // element offset of the chunk in the flat array
+  std::vector<float> old_res;  // residual before this call
+};
+
+template <typename T>
+void fold_rows(const T* g, float* r, int64_t F, int64_t o0, int64_t o1, double* norm2,
+               double* bad_out, std::vector<DirtyChunk>* dirty) {
+  float gbuf[kRowChunk];
+  float abuf[kRowChunk];
+  int64_t bad = 0;
+  for (int64_t o = o0; o < o1; ++o) {
+    // Eight fixed lanes by element position: the sum order (and so tie
+    // breaking between equal rows) does not depend on alignment or threads.
+    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t c0 = 0; c0 < F; c0 += kRowChunk) {
+      const int64_t m = std::min(kRowChunk, F - c0);
+      const int64_t off = o * F + c0;
+      const float* gf = as_float(g + off, m, gbuf);
+      float* rr = r + off;
+      int32_t nb = 0;
+#pragma omp simd reduction(+ : nb)
+      for (int64_t i = 0; i < m; ++i) {
+        abuf[i] = gf[i] + rr[i];
+        nb += is_finite(abuf[i]) ? 0 : 1;
+      }
+      int64_t i = 0;
+      for (; i + 8 <= m; i += 8) {
+        for (int l = 0; l < 8; ++l) {
+          const double v = is_finite(abuf[i + l]) ? static_cast<double>(abuf[i + l]) : 0.0;
+          acc[l] += v * v;
+        }
+      }
+      for (int l = 0; i < m; ++i, ++l) {
+        const double v = is_finite(abuf[i]) ? static_cast<double>(abuf[i]) : 0.0;
+        acc[l] += v * v;
+      }
+      if (nb == 0) {
+        std::memcpy(rr, abuf, m * sizeof(float));
+      } else {
+        bad += nb;
+        DirtyChunk d;
+        d.row = o;
+        d.offset = off;
+        d.old_res.assign(rr, rr + m);
+        dirty->push_back(std::move(d));
+        for (int64_t j = 0; j < m; ++j)
+          if (is_finite(abuf[j])) rr[j] = abuf[j];
+      }
+    }
+    norm2[o] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  }
+  *bad_out = static_cast<double>(bad);
+}
+
+template <typename T>
+void select_all(const T* g, float* r, int64_t O, int64_t F, int64_t k, int32_t* indices,
+                float* values, float* stats) {
+  std::vector<double> norm2(O);
+  const int nt = threads_for(O * F);
+  std::vector<double> bad(nt, 0.0);
+  std::vector<std::vector<DirtyChunk> > dirty(nt);
+  parallel_ranges(O, nt, [&](int tid, int64_t b, int64_t e) {
+    fold_rows<T>(g, r, F, b, e, norm2.data(), &bad[tid], &dirty[tid]);
+  });
+  double total = 0.0, nbad = 0.0;
+  for (int64_t o = 0; o < O; ++o) total += norm2[o];
+  for (int i = 0; i < nt; ++i) nbad += bad[i];
+  stats[0] = static_cast<float>(total);
+  stats[1] = static_cast<float>(nbad);
+
+  // Top-k rows by norm, ties to the lower index: a strict total order, so
+  // nth_element picks exactly the same set as a full stable sort would.
+  std::vector<int64_t> order(O);
+  for (int64_t o = 0; o < O; ++o) order[o] = o;
+  const double* n2 = norm2.data();
+  auto before = [n2](int64_t a, int64_t b) { return n2[a] > n2[b] || (n2[a] == n2[b] && a < b); };
+  if (k < O) std::nth_element(order.begin(), order.begin() + k, order.end(), before);
+  std::sort(order.begin(), order.begin() + k);
+
+  std::vector<char> chosen(O, 0);
+  for (int64_t i = 0; i < k; ++i) {
+    indices[i] = static_cast<int32_t>(order[i]);
+    chosen[order[i]] = 1;
+  }
+  parallel_ranges(k, threads_for(k * F), [&](int, int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      float* row = r + order[i] * F;
+      std::memcpy(values + i * F, row, F * sizeof(float));
+      std::memset(row, 0, F * sizeof(float));
+    }
+  });
+  // Chosen rows with non-finite elements: those elements emit 0 and keep
+  // their old residual (pass 1 left them untouched; pass 2 just zeroed them).
+  std::vector<int64_t> slot(O, -1);
+  for (int64_t i = 0; i < k; ++i) slot[order[i]] = i;
+  float gbuf[kRowChunk];
+  for (int t = 0; t < nt; ++t) {
+    for (size_t d = 0; d < dirty[t].size(); ++d) {
+      const DirtyChunk& dc = dirty[t][d];
+      if (!chosen[dc.row]) continue;
+      const int64_t m = static_cast<int64_t>(dc.old_res.size());
+      const float* gf = as_float(g + dc.offset, m, gbuf);
+      float* v = values + slot[dc.row] * F + (dc.offset - dc.row * F);
+      for (int64_t j = 0; j < m; ++j) {
+        if (!is_finite(gf[j] + dc.old_res[j])) {
+          v[j] = 0.f;
+          r[dc.offset + j] = dc.old_res[j];
+        }
+      }
+    }
+  }
+}
+
+MXReturnValue select_parse(const Attrs& attrs, int* nin, int* nout) {
+  int64_t k;
+  if (!parse_int(attrs, "k", &k)) return MX_FAIL;
+  *nin = 2;
+  *nout = 3;
+  return MX_SUCCESS;
+}
+
+MXReturnValue select_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
+  if (!grad_residual_types(*in, "hylo_select_kernels")) return MX_FAIL;
+  (*out)[0] = kInt32;
+  (*out)[1] = kFloat32;
+  (*out)[2] = kFloat32;
+  return MX_SUCCESS;
+}
+
+MXReturnValue select_shape(const Attrs& attrs, std::vector<std::vector<unsigned int> >* in,
+                           std::vector<std::vector<unsigned int> >* out) {
+  int64_t k;
+  if (!parse_int(attrs, "k", &k) || !grad_residual_shapes(*in, "hylo_select_kernels"))
+    return MX_FAIL;
+  const std::vector<unsigned int>& s = (*in)[0];
+  if (s.empty() || k > static_cast<int64_t>(s[0])) {
+    MX_ERROR_MSG << "hylo_select_kernels: k must be in [0, O]";
+    return MX_FAIL;
+  }
+  const int64_t F = shape_size(s) / s[0];
+  // MXNet 1.x cannot allocate a zero-size output: k = 0 gets one dummy row,
+  // which the Python wrapper replaces by empty arrays.
+  const int64_t rows = std::max<int64_t>(k, 1);
+  (*out)[0] = dims({rows});
+  (*out)[1] = dims({rows, F});
+  (*out)[2] = dims({2});
+  return MX_SUCCESS;
+}
+
+MXReturnValue select_forward(const Attrs& attrs, std::vector<MXTensor>* in,
+                             std::vector<MXTensor>* out, const OpResource&) {
+  int64_t k;
+  if (!parse_int(attrs, "k", &k)) return MX_FAIL;
+  MXTensor& g = (*in)[0];
+  float* r = (*in)[1].data<float>();
+  const int64_t O = g.shape[0];
+  const int64_t F = O ? g.size() / O : 0;
+  int32_t* idx = (*out)[0].data<int32_t>();
+  float* vals = (*out)[1].data<float>();
+  if (k == 0) {  // dummy row, see select_shape
+    idx[0] = 0;
+    std::memset(vals, 0, F * sizeof(float));
+  }
+  if (g.dtype == kFloat16)
+    select_all<uint16_t>(g.data<uint16_t>(), r, O, F, k, idx, vals, (*out)[2].data<float>());
+  else
+    select_all<float>(g.data<float>(), r, O, F, k, idx, vals, (*out)[2].data<float>());
+  return MX_SUCCESS;
+}
+
+// ===================================================== kernel scatter
+// Indices must be strictly increasing and inside [0, O): what
+// hylo_select_kernels produces. Checked before any write, since a bad index
+// arriving over the network must not write outside `out`.
+bool check_rows(const int32_t* idx, int64_t k, int64_t O) {
+  for (int64_t i = 0; i < k; ++i) {
+    if (idx[i] < 0 || idx[i] >= O || (i > 0 && idx[i] <= idx[i - 1])) {
+      MX_ERROR_MSG << "hylo_scatter_kernels: indices must be strictly increasing and in [0, "
+                   << O << "); indices[" << i << "] = " << idx[i];
+      return false;
+    }
+  }
+  return true;
+}
+
+bool scatter_types(const std::vector<int>& in) {
+  if (in[0] != kInt32 || in[1] != kFloat32 || (in.size() > 2 && in[2] != kFloat32)) {
+    MX_ERROR_MSG << "hylo_scatter_kernels: indices must be int32, values and out float32";
+    return false;
+  }
+  return true;
+}
+
+bool scatter_shapes(const std::vector<std::vector<unsigned int> >& in,
+                    const std::vector<unsigned int>& shape) {
+  const std::vector<unsigned int>& idx = in[0];
+  const std::vector<unsigned int>& val = in[1];
+  const int64_t F = shape_size(shape) / shape[0];
+  if (idx.size() != 1 || val.size() != 2 || val[0] != idx[0] || val[1] != F) {
+    MX_ERROR_MSG << "hylo_scatter_kernels: need indices (k,) and values (k, " << F << ")";
+    return false;
+  }
+  return true;
+}
+
+MXReturnValue scatter_parse(const Attrs& attrs, int* nin, int* nout) {
+  std::vector<unsigned int> shape;
+  if (!parse_shape(attrs, &shape)) return MX_FAIL;
+  *nin = 2;
+  *nout = 1;
+  return MX_SUCCESS;
+}
+
+MXReturnValue scatter_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
+  if (!scatter_types(*in)) return MX_FAIL;
+  (*out)[0] = kFloat32;
+  return MX_SUCCESS;
+}
+
+MXReturnValue scatter_shape(const Attrs& attrs, std::vector<std::vector<unsigned int> >* in,
+                            std::vector<std::vector<unsigned int> >* out) {
+  std::vector<unsigned int> shape;
+  if (!expect_inputs(*in, 2, "hylo_scatter_kernels") || !parse_shape(attrs, &shape) ||
+      !scatter_shapes(*in, shape))
+    return MX_FAIL;
+  (*out)[0] = shape;
+  return MX_SUCCESS;
+}
+
+MXReturnValue scatter_forward(const Attrs&, std::vector<MXTensor>* in,
+                              std::vector<MXTensor>* out, const OpResource&) {
+  const int32_t* idx = (*in)[0].data<int32_t>();
+  const float* vals = (*in)[1].data<float>();
+  MXTensor& o = (*out)[0];
+  const int64_t O = o.shape[0], F = o.size() / O, k = (*in)[0].size();
+  if (!check_rows(idx, k, O)) return MX_FAIL;
+  float* dst = o.data<float>();
+  // Rows are increasing: zero the gap before each row, then copy it.
+  int64_t next = 0;
+  for (int64_t i = 0; i < k; ++i) {
+    std::memset(dst + next * F, 0, (idx[i] - next) * F * sizeof(float));
+    std::memcpy(dst + idx[i] * F, vals + i * F, F * sizeof(float));
+    next = idx[i] + 1;
+  }
+  std::memset(dst + next * F, 0, (O - next) * F * sizeof(float));
+  return MX_SUCCESS;
+}
+
+MXReturnValue scatter_add_parse(const Attrs&, int* nin, int* nout) {
+  *nin = 3;
+  *nout = 1;
+  return MX_SUCCESS;
+}
+
+MXReturnValue scatter_add_shape(const Attrs&, std::vector<std::vector<unsigned int> >* in,
+                                std::vector<std::vector<unsigned int> >* out) {
+  if (!expect_inputs(*in, 3, "hylo_scatter_kernels_add") || (*in)[2].empty() ||
+      !scatter_shapes(*in, (*in)[2]))
+    return MX_FAIL;
+  (*out)[0] = (*in)[2];
+  return MX_SUCCESS;
+}
+
+MXReturnValue scatter_add_forward(const Attrs&, std::vector<MXTensor>* in,
+                                  std::vector<MXTensor>* out, const OpResource&) {
+  const int32_t* idx = (*in)[0].data<int32_t>();
+  const float* vals = (*in)[1].data<float>();
+  const float* acc = (*in)[2].data<float>();
+  MXTensor& o = (*out)[0];
+  const int64_t O = o.shape[0], F = o.size() / O, k = (*in)[0].size();
+  if (!check_rows(idx, k, O)) return MX_FAIL;
+  float* dst = o.data<float>();
+  if (dst != acc) std::memcpy(dst, acc, O * F * sizeof(float));  // called without out=acc
+  parallel_ranges(k, threads_for(k * F), [&](int, int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      float* row = dst + static_cast<int64_t>(idx[i]) * F;
+      const float* v = vals + i * F;
+#pragma omp simd
+      for (int64_t j = 0; j < F; ++j) row[j] += v[j];
+    }
+  });
+  return MX_SUCCESS;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- registry
+REGISTER_OP(hylo_quantize_2bit)
+    .setParseAttrs(quantize_parse)
+    .setInferType(quantize_type)
+    .setInferShape(quantize_shape)
+    .setMutateInputs(mutate_residual)
+    .setForward(quantize_forward, "cpu");
+
+REGISTER_OP(hylo_l1_stats)
+    .setParseAttrs(stats_parse)
+    .setInferType(stats_type)
+    .setInferShape(stats_shape)
+    .setForward(stats_forward, "cpu");
+
+REGISTER_OP(hylo_dequantize_2bit)
+    .setParseAttrs(deq_parse)
+    .setInferType(deq_type)
+    .setInferShape(deq_shape)
+    .setForward(deq_forward, "cpu");
+
+REGISTER_OP(hylo_dequantize_2bit_add)
+    .setParseAttrs(deq_add_parse)
+    .setInferType(deq_type)
+    .setInferShape(deq_add_shape)
+    .setForward(deq_add_forward, "cpu");
+
+REGISTER_OP(hylo_select_kernels)
+    .setParseAttrs(select_parse)
+    .setInferType(select_type)
+    .setInferShape(select_shape)
+    .setMutateInputs(mutate_residual)
+    .setForward(select_forward, "cpu");
+
+REGISTER_OP(hylo_scatter_kernels)
+    .setParseAttrs(scatter_parse)
+    .setInferType(scatter_type)
+    .setInferShape(scatter_shape)
+    .setForward(scatter_forward, "cpu");
+
+REGISTER_OP(hylo_scatter_kernels_add)
+    .setParseAttrs(scatter_add_parse)
+    .setInferType(scatter_type)
+    .setInferShape(scatter_add_shape)
+    .setForward(scatter_add_forward, "cpu");
+
+MXReturnValue initialize(int version) {
+  if (version < 10900) {
+    MX_ERROR_MSG << "mxhylo ops need MXNet >= 1.9.0, found " << version;
+    return MX_FAIL;
+  }
+  return MX_SUCCESS;
+}
+
+// Plain C entry points, reached through ctypes on the same loaded library.
+extern "C" {
+__attribute__((visibility("default"))) int hylo_set_num_threads(int n) {
+  g_num_threads = n > 0 ? n : 0;
+  return g_num_threads;
+}
+__attribute__((visibility("default"))) int hylo_openmp_enabled() {
+#ifdef _OPENMP
+  return 1;
+#else
+  return 0;
+#endif
+}
+}

@@ -1,0 +1,215 @@
+"""The in-process hylo kvstore: MXNet's KVStoreBase contract, codec path, stats, checkpoints."""
+import math
+
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import gluon
+
+import mxhylo
+from mxhylo.kvstore import DistSyncHylo, Hylo
+
+CTX2 = [mx.cpu(0), mx.cpu(1)]
+
+
+def nd(a, ctx=mx.cpu(0)):
+    return mx.nd.array(a, ctx=ctx, dtype=a.dtype)
+
+
+def test_registration_and_contract():
+    kv = mx.kv.create("hylo")
+    assert isinstance(kv, Hylo) and kv.type == "hylo"
+    assert mx.kv.create("dist_sync_hylo").type == "dist_sync_hylo"
+    assert isinstance(mx.kv.create("DIST_SYNC_HYLO"), DistSyncHylo)
+    assert mx.kvstore.KVStoreBase.kv_registry["hylo"] is Hylo
+    assert Hylo.is_capable("optimizer") is False                # answered on the class
+    assert kv.rank == 0 and kv.num_workers == 1
+    with pytest.raises(NotImplementedError):
+        kv.set_optimizer(mx.optimizer.SGD())
+    with pytest.raises(NotImplementedError):
+        kv.save_optimizer_states("x")
+    with pytest.raises(NotImplementedError):
+        kv.load_optimizer_states("x")
+    with pytest.raises(ValueError, match="type must be"):
+        mxhylo.create(type="hyl0")
+    opts = mxhylo.create(size_threshold=100, conv_rate=0.25).stats()["options"]
+    assert opts["size_threshold"] == 100 and opts["conv_rate"] == 0.25
+
+
+def test_pushpull_uncompressed_sums_devices_single_and_list_keys():
+    rng = np.random.RandomState(0)
+    kv = mxhylo.create(policy={".*": "none"})
+    a = [nd(rng.randn(3, 4).astype(np.float32), c) for c in CTX2]
+    kv.broadcast(3, a[0], out=a)
+    np.testing.assert_array_equal(a[1].asnumpy(), a[0].asnumpy())
+    a[1][:] = rng.randn(3, 4)
+    expect = a[0].asnumpy() + a[1].asnumpy()
+    kv.pushpull(3, a)                                             # out=None: in place
+    for x in a:
+        np.testing.assert_array_equal(x.asnumpy(), expect)
+    # list of str keys, out given
+    vals = [[nd(rng.randn(5).astype(np.float32), c) for c in CTX2] for _ in range(2)]
+    outs = [[mx.nd.zeros(5, ctx=c) for c in CTX2] for _ in range(2)]
+    kv.pushpull(["w", "b"], vals, out=outs)
+    for v, o in zip(vals, outs):
+        for x in o:
+            np.testing.assert_array_equal(x.asnumpy(), v[0].asnumpy() + v[1].asnumpy())
+
+
+def test_outputs_aliasing_inputs_and_each_other():
+    """Every reduction happens before any write: swapping outputs must not corrupt."""
+    kv = mxhylo.create(policy={".*": "none"})
+    a, b = nd(np.arange(4, dtype=np.float32)), nd(np.arange(4, 8, dtype=np.float32))
+    a0, b0 = a.asnumpy(), b.asnumpy()
+    kv.pushpull(["a", "b"], [a, b], out=[b, a])
+    np.testing.assert_array_equal(b.asnumpy(), a0)
+    np.testing.assert_array_equal(a.asnumpy(), b0)
+    # compressed keys too
+    kv = mxhylo.create(size_threshold=1, conv_rate=1.0)
+    rng = np.random.RandomState(1)
+    c = nd(rng.randn(4, 2, 3, 3).astype(np.float32))
+    d = nd(rng.randn(4, 2, 3, 3).astype(np.float32))
+    c0, d0 = c.asnumpy(), d.asnumpy()
+    kv.pushpull(["c", "d"], [c, d], out=[[d, c], [c]])           # conv_rate 1: lossless
+    np.testing.assert_array_equal(c.asnumpy(), d0)
+    np.testing.assert_array_equal(d.asnumpy(), c0)
+
+
+def _np_2bit(a, t):
+    q = np.where(a >= t, t, np.where(a <= -t, -t, 0)).astype(np.float32)
+    return q, (a - q).astype(np.float32)
+
+
+def test_fc_2bit_path_matches_numpy_error_feedback_and_threshold():
+    """Two devices reduce, then 2-bit with residual; threshold lags one step (mean |a|)."""
+    rng = np.random.RandomState(2)
+    kv = mxhylo.create(size_threshold=10)
+    shape = (20, 33)                                               # 660: not a multiple of 16
+    r = np.zeros(shape, np.float32)
+    t = None
+    for step in range(4):
+        g = [rng.randn(*shape).astype(np.float32) * 0.01 for _ in CTX2]
+        arrs = [nd(x, c) for x, c in zip(g, CTX2)]
+        a = (g[0] + g[1]) + r
+        if t is None:
+            t = np.float32(np.abs(a).mean())
+        q, r = _np_2bit(a, np.float32(t))
+        kv.pushpull("fc", arrs)
+        for x in arrs:
+            np.testing.assert_allclose(x.asnumpy(), q, rtol=1e-5, atol=0)
+        t = np.float32(np.abs(a).mean())                            # next step's threshold
+    layer = kv.stats()["layers"]["fc"]
+    assert layer["policy"] == "fc_2bit"
+    assert layer["last_bytes"] == 4 * math.ceil(660 / 16) + 4      # codes + threshold
+    assert layer["ratio"] == pytest.approx(660 * 4 / (4 * 42 + 4))
+
+
+def test_conv_topk_path_matches_numpy():
+    rng = np.random.RandomState(3)
+    kv = mxhylo.create(size_threshold=10, conv_rate=0.25)
+    shape = (8, 3, 3, 3)
+    r = np.zeros(shape, np.float32)
+    for step in range(3):
+        g = rng.randn(*shape).astype(np.float32)
+        a = g + r
+        norms = np.sqrt((a.reshape(8, -1).astype(np.float64) ** 2).sum(1))
+        top = np.sort(np.argsort(-norms, kind="stable")[:2])
+        sent = np.zeros_like(a)
+        sent[top] = a[top]
+        r = a - sent
+        x = nd(g)
+        kv.pushpull("conv", x)
+        np.testing.assert_array_equal(x.asnumpy(), sent)
+    layer = kv.stats()["layers"]["conv"]
+    assert layer["policy"] == "conv_topk" and layer["k"] == 2
+    assert layer["last_bytes"] == 2 * 4 + 2 * 27 * 4
+
+
+def test_fp16_gradients_and_outputs():
+    rng = np.random.RandomState(4)
+    kv = mxhylo.create(size_threshold=10)
+    g = rng.randn(16, 16).astype(np.float16)
+    x = nd(g)
+    kv.pushpull("fc16", x)
+    assert x.dtype == np.float16
+    a = g.astype(np.float32)
+    q, _ = _np_2bit(a, np.float32(np.abs(a).mean()))
+    np.testing.assert_allclose(x.asnumpy().astype(np.float32), q, rtol=1e-3)
+
+
+def test_non_finite_gradient_names_the_layer():
+    kv = mxhylo.create(size_threshold=10)
+    g = np.ones((8, 8), np.float32)
+    g[3, 4] = np.nan
+    with pytest.raises(FloatingPointError, match="'fc_bad'.*1 of 64"):
+        kv.pushpull("fc_bad", nd(g))
+    c = np.ones((4, 2, 3, 3), np.float32)
+    c[0, 0, 0, 0] = np.inf
+    with pytest.raises(FloatingPointError, match="'conv_bad'"):
+        kv.pushpull("conv_bad", nd(c))
+    # the residual did not absorb the NaN
+    assert np.isfinite(kv.memory.residual("fc_bad", nd(g)).asnumpy()).all()
+
+
+def test_key_shape_change_is_an_error():
+    kv = mxhylo.create()
+    kv.pushpull(0, mx.nd.ones((3,)))
+    with pytest.raises(ValueError, match="first used with shape"):
+        kv.pushpull(0, mx.nd.ones((4,)))
+
+
+def _gradient_stream(steps, seed=5):
+    rng = np.random.RandomState(seed)
+    return [(rng.randn(64, 64).astype(np.float32), rng.randn(16, 8, 3, 3).astype(np.float32))
+            for _ in range(steps)]
+
+
+def _exchange(kv, grads):
+    outs = []
+    for g, h in grads:
+        g, h = nd(g), nd(h)
+        kv.pushpull(["fc", "conv"], [g, h])
+        outs.append((g.asnumpy(), h.asnumpy()))
+    return outs
+
+
+def test_residual_checkpoint_resumes_exactly(tmp_path):
+    opts = dict(size_threshold=10, conv_rate=0.25)
+    stream = _gradient_stream(6)
+    full = _exchange(mxhylo.create(**opts), stream)
+    kv = mxhylo.create(**opts)
+    _exchange(kv, stream[:3])
+    kv.save_residuals(str(tmp_path / "res"))
+    resumed = mxhylo.create(**opts)
+    resumed.load_residuals(str(tmp_path / "res"))
+    rest = _exchange(resumed, stream[3:])
+    for (g0, h0), (g1, h1) in zip(full[3:], rest):
+        np.testing.assert_array_equal(g0, g1)
+        np.testing.assert_array_equal(h0, h1)
+    # without the residuals the continuation differs: the test can fail
+    fresh = _exchange(mxhylo.create(**opts), stream[3:])
+    assert not np.array_equal(fresh[0][0], full[3][0])
+
+
+def test_trainer_names_from_gluon_and_policy_regex():
+    net = gluon.nn.Dense(4, in_units=4096)
+    net.initialize(ctx=CTX2)
+    kv = mxhylo.create(policy={"bias": "none"})
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore=kv)
+    with mx.autograd.record():
+        losses = [net(mx.nd.ones((2, 4096), ctx=c)).sum() for c in CTX2]
+    mx.autograd.backward(losses)
+    trainer.step(4)
+    layers = kv.stats()["layers"]
+    assert set(layers) == {net.weight.name, net.bias.name}
+    assert layers[net.weight.name]["policy"] == "fc_2bit"
+
+
+def test_trainer_with_compression_off_equals_device_kvstore():
+    """policy {'.*': 'none'}: hylo trains exactly like MXNet's 'device' kvstore."""
+    from mxhylo.digits import train
+    ref = train(kvstore="device", contexts=CTX2, epochs=2, seed=7)
+    off = train(kvstore=mxhylo.create(policy={".*": "none"}), contexts=CTX2, epochs=2, seed=7)
+    assert ref["params"].keys() == off["params"].keys()
+    for name in ref["params"]:
+        np.testing.assert_array_equal(ref["params"][name], off["params"][name], err_msg=name)
