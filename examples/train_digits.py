@@ -14,6 +14,7 @@ import logging
 import os
 
 import mxnet as mx
+import numpy as np
 
 import mxhylo
 from mxhylo.digits import train
@@ -26,18 +27,23 @@ def main():
                         help="kvstore type: dist_sync_hylo, hylo, device, dist_sync, ...")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=64, help="per worker")
-    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compare", action="store_true",
                         help="in one process: also train uncompressed and print both")
+    parser.add_argument("--policy", type=json.loads, default=None,
+                        help='hylo layer policy override, JSON, e.g. \'{".*": "none"}\'')
     parser.add_argument("--json", help="write accuracy and traffic to this file")
+    parser.add_argument("--save-params", metavar="PATTERN",
+                        help="save the final parameters to PATTERN.format(rank=kv.rank) (.npz)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     log = logging.getLogger("train_digits").info
 
     distributed = os.environ.get("DMLC_ROLE") == "worker"
     contexts = [mx.cpu(0)] if distributed else [mx.cpu(0), mx.cpu(1)]
-    kv = mxhylo.create(args.kvstore) if "hylo" in args.kvstore else args.kvstore
+    kv = mxhylo.create(args.kvstore, policy=args.policy) if "hylo" in args.kvstore \
+        else args.kvstore
     result = train(kvstore=kv, contexts=contexts, epochs=args.epochs,
                    batch_size=args.batch_size, lr=args.lr, seed=args.seed, log=log)
     report = {"kvstore": args.kvstore, "accuracy": result["accuracy"],
@@ -59,8 +65,10 @@ def main():
                       batch_size=args.batch_size, lr=args.lr, seed=args.seed)
         report["uncompressed_accuracy"] = dense["accuracy"]
         log("uncompressed ('device' kvstore): test accuracy %.4f" % dense["accuracy"])
+    if args.save_params:
+        np.savez(args.save_params.format(rank=result["rank"]), **result["params"])
     if args.json:
-        with open(args.json, "w") as f:
+        with open(args.json.format(rank=result["rank"]), "w") as f:
             json.dump(report, f, indent=2)
 
 

@@ -40,7 +40,8 @@ CODES_PER_VALUE = 12          # 24 bits per float32 value
 class ChunkLayout:
     """One parameter-server key carrying a piece of one layer.
 
-    kind: 'dense' | 'topk' | '2bit'; lo, hi: the piece, in elements of the flat layer
+    kind: 'dense' | 'topk' | '2bit' ('probe': the start-up check that a server
+    decodes); lo, hi: the piece, in elements of the flat layer
     for dense and 2bit, in filters for topk; size: elements of the piece; cols: row
     width C (1 header + data); rows: rows of the key; slot_rows: rows per worker's slot
     (2bit); dense_rows: rows of the pulled aggregate; server: index of the server.
@@ -57,7 +58,7 @@ class ChunkLayout:
 
     @property
     def key_shape(self):
-        return (self.size,) if self.kind == "dense" else (self.rows, self.cols)
+        return (self.size,) if self.kind in ("dense", "probe") else (self.rows, self.cols)
 
 
 def two_bit_values(n_elements):

@@ -23,9 +23,10 @@ def evaluate(net, x, y, ctx):
     return correct / len(y)
 
 
-def train(kvstore="device", contexts=None, epochs=10, batch_size=64, lr=0.1, momentum=0.9,
+def train(kvstore="device", contexts=None, epochs=10, batch_size=64, lr=0.05, momentum=0.9,
           wd=1e-4, seed=0, log=None):
-    """Train digits_net with SGD; returns a dict (accuracy, seconds, params, kv stats).
+    """Train digits_net with SGD; returns a dict (accuracy, history, seconds, params:
+    name -> numpy array of every trainable parameter, stats: kv.stats() or None).
 
     kvstore: a name or a KVStoreBase (None: no kvstore); contexts: list of mx.Context
     (default [cpu(0), cpu(1)]: two devices in one process). batch_size is per worker and
@@ -66,9 +67,9 @@ def train(kvstore="device", contexts=None, epochs=10, batch_size=64, lr=0.1, mom
         if log:
             log("epoch %d  test accuracy %.4f" % (epoch + 1, acc))
     mx.nd.waitall()
-    # keyed without the net's prefix, so runs in one process compare by layer
-    params = {name[len(net.prefix):]: p.data(contexts[0]).asnumpy()
-              for name, p in net.collect_params().items()}
+    # trainable parameters only: BatchNorm's running statistics are each worker's own
+    params = {name: p.data(contexts[0]).asnumpy()
+              for name, p in net.collect_params().items() if p.grad_req != "null"}
     stats = kv.stats() if hasattr(kv, "stats") else None
     return {"accuracy": history[-1], "history": history, "seconds": time.time() - start,
             "params": params, "stats": stats, "workers": workers, "rank": rank}

@@ -202,7 +202,8 @@ def plan_children(args, root_uri, root_port, environ=None):
         host, port = hosts[i % len(hosts)]
         exports = {k: environ[k] for k in SSH_PASSTHROUGH if k in environ}
         exports.update(role_env(role, W, S, root_uri, root_port, "ssh", node_host=host))
-        exports.update(extra)
+        # The remote shell does not inherit ours: pass the setting along either way.
+        exports["PYTHONUNBUFFERED"] = environ.get("PYTHONUNBUFFERED", "1")
         exports.update(user_overrides(args, role))
         argv = ssh_argv(host, port, remote_command(workdir, exports, args.command), args.ssh)
         children.append(procs.Child("%s %d" % (role, index), role, argv, dict(environ),

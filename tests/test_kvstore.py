@@ -213,3 +213,20 @@ def test_trainer_with_compression_off_equals_device_kvstore():
     assert ref["params"].keys() == off["params"].keys()
     for name in ref["params"]:
         np.testing.assert_array_equal(ref["params"][name], off["params"][name], err_msg=name)
+
+
+def test_default_compression_trains_digits_like_uncompressed():
+    """2 contexts, same seed: accuracy within 1 point of 'device'; compressed layers >= 8x."""
+    from mxhylo.digits import train
+    dense = train(kvstore="device", contexts=CTX2, epochs=10, seed=0)
+    kv = mxhylo.create()
+    hylo = train(kvstore=kv, contexts=CTX2, epochs=10, seed=0)
+    assert dense["accuracy"] > 0.95
+    assert abs(hylo["accuracy"] - dense["accuracy"]) <= 0.01, (hylo["accuracy"], dense["accuracy"])
+    stats = kv.stats()
+    policies = {layer["policy"] for layer in stats["layers"].values()}
+    assert policies == {"none", "conv_topk", "fc_2bit"}
+    assert stats["compressed_layers_ratio"] >= 8
+    for layer in stats["layers"].values():
+        if layer["policy"] != "none":
+            assert layer["ratio"] >= 8, layer

@@ -9,7 +9,9 @@ mean and per seed:
 - ``sgd_large``: momentum SGD at --batch with the linearly scaled lr
   ``base_lr * batch / small_batch``, no warmup (plain).
 - ``sgd_large_warmup``: the same with --warmup-epochs of linear warmup (Goyal et al.).
-- ``lars_large``: :class:`mxhylo.LARSTrainer` at --batch, --lars-lr, the same warmup.
+- ``lars_large``: :class:`mxhylo.LARSTrainer` at --batch, --lars-lr and --eta (tuned
+  once on 2 seeds at batch 512: lr in 0.1..128, eta in 0.001..0.05), the same warmup.
+  Biases and BatchNorm beta/gamma get the plain lr, which is what bounds the global lr.
 
 All runs use the same poly (power 2) decay to zero at the end and the same weight
 decay. ``--dtype bfloat16`` runs everything under MXNet's CPU AMP (bf16 compute,
@@ -29,9 +31,10 @@ def add_arguments(parser):
     parser.add_argument("--seeds", type=int, default=3, help="seeds per method (3)")
     parser.add_argument("--base-lr", type=float, default=0.05,
                         help="SGD lr at the small batch (0.05)")
-    parser.add_argument("--lars-lr", type=float, default=None,
-                        help="LARS peak lr at the large batch (default: 16 * batch / 512)")
-    parser.add_argument("--eta", type=float, default=0.001, help="LARS trust coefficient")
+    parser.add_argument("--lars-lr", type=float, default=0.25,
+                        help="LARS peak lr at the large batch (0.25, tuned for batch 512)")
+    parser.add_argument("--eta", type=float, default=0.02,
+                        help="LARS trust coefficient (0.02, tuned for batch 512)")
     parser.add_argument("--warmup-epochs", type=float, default=5.0,
                         help="warmup length in epochs for the *_warmup and lars runs (5)")
     parser.add_argument("--wd", type=float, default=1e-4, help="weight decay (1e-4)")
@@ -99,12 +102,11 @@ def run(args):
     if unknown:
         raise SystemExit("unknown --methods %s; choose from %s" % (sorted(unknown), METHODS))
     scaled_lr = args.base_lr * args.batch / args.small_batch
-    lars_lr = args.lars_lr if args.lars_lr is not None else 16.0 * args.batch / 512
     plan = {
         "sgd_small": ("sgd", args.small_batch, args.base_lr, 0.0),
         "sgd_large": ("sgd", args.batch, scaled_lr, 0.0),
         "sgd_large_warmup": ("sgd", args.batch, scaled_lr, args.warmup_epochs),
-        "lars_large": ("lars", args.batch, lars_lr, args.warmup_epochs),
+        "lars_large": ("lars", args.batch, args.lars_lr, args.warmup_epochs),
     }
     results = {}
     for name in methods:

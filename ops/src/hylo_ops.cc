@@ -130,11 +130,6 @@ inline const float* as_float(const uint16_t* g, int64_t m, float* buf) {
   return buf;
 }
 
-int64_t shape_size(const std::vector<int64_t>& s) {
-  int64_t n = 1;
-  for (size_t i = 0; i < s.size(); ++i) n *= s[i];
-  return n;
-}
 int64_t shape_size(const std::vector<unsigned int>& s) {
   int64_t n = 1;
   for (size_t i = 0; i < s.size(); ++i) n *= s[i];
@@ -240,10 +235,26 @@ const int64_t kChunk = 1024;
 
 // Quantizes words [w0, w1) (elements [16*w0, min(16*w1, n))). When codes is
 // null only the statistics are computed and nothing is written.
+// Sum of x[0..m) in 16 fixed lanes: vectorizes without -ffast-math, and the
+// order depends only on m, not on alignment or the thread split.
+inline float lane_sum(const float* x, int64_t m) {
+  float acc[16] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + 16 <= m; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += x[i + j];
+  for (int j = 0; i < m; ++i, ++j) acc[j] += x[i];
+  float s = 0.f;
+  for (int j = 0; j < 16; ++j) s += acc[j];
+  return s;
+}
+
+// Quantizes words [w0, w1) (elements [16*w0, min(16*w1, n))). With
+// kWrite = false only the statistics are computed and nothing is written.
 template <typename T, bool kWrite>
 void quantize_range(const T* g, float* r, uint32_t* codes, int64_t n, float t,
                     int64_t w0, int64_t w1, double* l1_out, double* bad_out) {
   float gbuf[kChunk];
+  float abuf[kChunk];
   uint32_t cbuf[kChunk];
   double l1 = 0.0;
   int64_t bad = 0;
@@ -253,31 +264,42 @@ void quantize_range(const T* g, float* r, uint32_t* codes, int64_t n, float t,
     const int64_t m = std::min(we * 16, n) - e0;
     const float* gf = as_float(g + e0, m, gbuf);
     float* rr = r + e0;
-    float s = 0.f;
-    int32_t nb = 0;
-    // Branch-free so it vectorizes; the reduction order is fixed by the
-    // simd lanes, which keeps results independent of the thread count.
-#pragma omp simd reduction(+ : s, nb)
-    for (int64_t i = 0; i < m; ++i) {
-      const float a = gf[i] + rr[i];
-      const bool fin = is_finite(a);
-      const bool pos = a >= t;
-      const bool neg = a <= -t;
-      const float q = pos ? t : (neg ? -t : 0.f);
-      s += fin ? std::fabs(a) : 0.f;
-      nb += fin ? 0 : 1;
-      if (kWrite) {
-        cbuf[i] = fin ? (static_cast<uint32_t>(pos) | (static_cast<uint32_t>(neg) << 1)) : 0u;
-        rr[i] = fin ? a - q : rr[i];
+    // The element loops must vectorize: as scalar code with branches on
+    // random signs it ran ~10x slower. GCC 12 if-converts them only in this
+    // form: int 0/1 flags, plain ternary selects, the old residual read into
+    // a local, and no reduction inside (|a| goes to abuf, the non-finite flag
+    // to bit 2 of cbuf; both are summed in separate simple loops).
+    if (kWrite) {
+      for (int64_t i = 0; i < m; ++i) {
+        const float r0 = rr[i];
+        const float a = gf[i] + r0;
+        const float absa = std::fabs(a);
+        const int fin = absa <= FLT_MAX;  // 0 for NaN and +-Inf
+        const int pos = fin & (a >= t);
+        const int neg = fin & (a <= -t);
+        const float q = pos ? t : (neg ? -t : 0.f);
+        abuf[i] = fin ? absa : 0.f;
+        cbuf[i] = static_cast<uint32_t>(pos | (neg << 1) | ((1 - fin) << 2));
+        const float d = a - q;
+        rr[i] = fin ? d : r0;
+      }
+    } else {
+      for (int64_t i = 0; i < m; ++i) {
+        const float absa = std::fabs(gf[i] + rr[i]);
+        const int fin = absa <= FLT_MAX;
+        abuf[i] = fin ? absa : 0.f;
+        cbuf[i] = static_cast<uint32_t>((1 - fin) << 2);
       }
     }
-    l1 += s;
+    l1 += lane_sum(abuf, m);
+    uint32_t nb = 0;
+    for (int64_t i = 0; i < m; ++i) nb += cbuf[i] >> 2;
     bad += nb;
     if (kWrite) {
       for (int64_t i = m; i < (we - wc) * 16; ++i) cbuf[i] = 0;  // unused tail bits are zero
       for (int64_t w = 0; w < we - wc; ++w) {
         uint32_t word = 0;
-        for (int j = 0; j < 16; ++j) word |= cbuf[w * 16 + j] << (2 * j);
+        for (int j = 0; j < 16; ++j) word |= (cbuf[w * 16 + j] & 3u) << (2 * j);
         codes[wc + w] = word;
       }
     }
@@ -500,63 +522,70 @@ MXReturnValue deq_add_forward(const Attrs& attrs, std::vector<MXTensor>* in,
 
 // ===================================================== kernel (filter) top-k
 // A kernel is one output filter: row o of the weight viewed as (O, F).
-// Pass 1 (one read of grad and residual): a = grad + residual, row norms,
-// residual <- a (finite elements). Pass 2 touches only the k chosen rows:
-// values <- residual row, residual row <- 0. A chunk of a row that holds a
-// non-finite `a` keeps a copy of its old residual so pass 2 can tell which
-// elements were non-finite (emit 0, keep the old residual) — rare by nature.
+// Pass 1 reads grad and residual once: a = grad + residual, the row norms,
+// and residual <- a where a is finite (non-finite elements keep their old
+// residual). Pass 2 touches only the k chosen rows: values <- residual row,
+// residual row <- 0. Rows holding a non-finite `a` (rare: the caller raises
+// on them) also record a bitmask of those elements, so pass 2 can emit 0
+// there and leave the old residual in place.
 
 const int64_t kRowChunk = 4096;  // elements per row chunk; multiple of 8
 
-struct DirtyChunk {
+struct BadRow {
   int64_t row;
-  int64_t offset;              // element offset of the chunk in the flat array
-  std::vector<float> old_res;  // residual before this call
+  std::vector<uint64_t> mask;  // bit j set: element j of the row is non-finite
 };
 
 template <typename T>
 void fold_rows(const T* g, float* r, int64_t F, int64_t o0, int64_t o1, double* norm2,
-               double* bad_out, std::vector<DirtyChunk>* dirty) {
+               double* bad_out, std::vector<BadRow>* bad_rows) {
   float gbuf[kRowChunk];
-  float abuf[kRowChunk];
+  float zbuf[kRowChunk];
+  uint32_t fbuf[kRowChunk];
   int64_t bad = 0;
   for (int64_t o = o0; o < o1; ++o) {
     // Eight fixed lanes by element position: the sum order (and so tie
     // breaking between equal rows) does not depend on alignment or threads.
     double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    bool row_bad = false;
     for (int64_t c0 = 0; c0 < F; c0 += kRowChunk) {
       const int64_t m = std::min(kRowChunk, F - c0);
-      const int64_t off = o * F + c0;
-      const float* gf = as_float(g + off, m, gbuf);
-      float* rr = r + off;
-      int32_t nb = 0;
-#pragma omp simd reduction(+ : nb)
+      const float* gf = as_float(g + o * F + c0, m, gbuf);
+      float* rr = r + o * F + c0;
+      // Same vectorizable form as quantize_range: no branches, no reduction.
       for (int64_t i = 0; i < m; ++i) {
-        abuf[i] = gf[i] + rr[i];
-        nb += is_finite(abuf[i]) ? 0 : 1;
+        const float r0 = rr[i];
+        const float a = gf[i] + r0;
+        const int fin = std::fabs(a) <= FLT_MAX;
+        zbuf[i] = fin ? a : 0.f;
+        fbuf[i] = static_cast<uint32_t>(1 - fin);
+        rr[i] = fin ? a : r0;
       }
       int64_t i = 0;
       for (; i + 8 <= m; i += 8) {
         for (int l = 0; l < 8; ++l) {
-          const double v = is_finite(abuf[i + l]) ? static_cast<double>(abuf[i + l]) : 0.0;
-          acc[l] += v * v;
+          const double v = zbuf[i + l];
+          acc[l] += v * v;  // exact square of a float; summed in double
         }
       }
       for (int l = 0; i < m; ++i, ++l) {
-        const double v = is_finite(abuf[i]) ? static_cast<double>(abuf[i]) : 0.0;
+        const double v = zbuf[i];
         acc[l] += v * v;
       }
-      if (nb == 0) {
-        std::memcpy(rr, abuf, m * sizeof(float));
-      } else {
+      uint32_t nb = 0;
+      for (int64_t j = 0; j < m; ++j) nb += fbuf[j];
+      if (nb) {
         bad += nb;
-        DirtyChunk d;
-        d.row = o;
-        d.offset = off;
-        d.old_res.assign(rr, rr + m);
-        dirty->push_back(std::move(d));
+        if (!row_bad) {
+          BadRow br;
+          br.row = o;
+          br.mask.assign((F + 63) / 64, 0);
+          bad_rows->push_back(std::move(br));
+          row_bad = true;
+        }
+        std::vector<uint64_t>& mask = bad_rows->back().mask;
         for (int64_t j = 0; j < m; ++j)
-          if (is_finite(abuf[j])) rr[j] = abuf[j];
+          if (fbuf[j]) mask[(c0 + j) >> 6] |= uint64_t(1) << ((c0 + j) & 63);
       }
     }
     norm2[o] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
@@ -570,9 +599,9 @@ void select_all(const T* g, float* r, int64_t O, int64_t F, int64_t k, int32_t* 
   std::vector<double> norm2(O);
   const int nt = threads_for(O * F);
   std::vector<double> bad(nt, 0.0);
-  std::vector<std::vector<DirtyChunk> > dirty(nt);
+  std::vector<std::vector<BadRow> > bad_rows(nt);
   parallel_ranges(O, nt, [&](int tid, int64_t b, int64_t e) {
-    fold_rows<T>(g, r, F, b, e, norm2.data(), &bad[tid], &dirty[tid]);
+    fold_rows<T>(g, r, F, b, e, norm2.data(), &bad[tid], &bad_rows[tid]);
   });
   double total = 0.0, nbad = 0.0;
   for (int64_t o = 0; o < O; ++o) total += norm2[o];
@@ -581,46 +610,40 @@ void select_all(const T* g, float* r, int64_t O, int64_t F, int64_t k, int32_t* 
   stats[1] = static_cast<float>(nbad);
 
   // Top-k rows by norm, ties to the lower index: a strict total order, so
-  // nth_element picks exactly the same set as a full stable sort would.
+  // nth_element picks exactly the set a stable sort would.
   std::vector<int64_t> order(O);
   for (int64_t o = 0; o < O; ++o) order[o] = o;
   const double* n2 = norm2.data();
   auto before = [n2](int64_t a, int64_t b) { return n2[a] > n2[b] || (n2[a] == n2[b] && a < b); };
   if (k < O) std::nth_element(order.begin(), order.begin() + k, order.end(), before);
   std::sort(order.begin(), order.begin() + k);
+  for (int64_t i = 0; i < k; ++i) indices[i] = static_cast<int32_t>(order[i]);
 
-  std::vector<char> chosen(O, 0);
-  for (int64_t i = 0; i < k; ++i) {
-    indices[i] = static_cast<int32_t>(order[i]);
-    chosen[order[i]] = 1;
-  }
+  std::unordered_map<int64_t, const std::vector<uint64_t>*> masks;
+  for (int t = 0; t < nt; ++t)
+    for (size_t i = 0; i < bad_rows[t].size(); ++i)
+      masks[bad_rows[t][i].row] = &bad_rows[t][i].mask;
+
   parallel_ranges(k, threads_for(k * F), [&](int, int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       float* row = r + order[i] * F;
-      std::memcpy(values + i * F, row, F * sizeof(float));
-      std::memset(row, 0, F * sizeof(float));
-    }
-  });
-  // Chosen rows with non-finite elements: those elements emit 0 and keep
-  // their old residual (pass 1 left them untouched; pass 2 just zeroed them).
-  std::vector<int64_t> slot(O, -1);
-  for (int64_t i = 0; i < k; ++i) slot[order[i]] = i;
-  float gbuf[kRowChunk];
-  for (int t = 0; t < nt; ++t) {
-    for (size_t d = 0; d < dirty[t].size(); ++d) {
-      const DirtyChunk& dc = dirty[t][d];
-      if (!chosen[dc.row]) continue;
-      const int64_t m = static_cast<int64_t>(dc.old_res.size());
-      const float* gf = as_float(g + dc.offset, m, gbuf);
-      float* v = values + slot[dc.row] * F + (dc.offset - dc.row * F);
-      for (int64_t j = 0; j < m; ++j) {
-        if (!is_finite(gf[j] + dc.old_res[j])) {
-          v[j] = 0.f;
-          r[dc.offset + j] = dc.old_res[j];
+      float* v = values + i * F;
+      if (masks.empty() || masks.find(order[i]) == masks.end()) {
+        std::memcpy(v, row, F * sizeof(float));
+        std::memset(row, 0, F * sizeof(float));
+        continue;
+      }
+      const std::vector<uint64_t>& mask = *masks.find(order[i])->second;
+      for (int64_t j = 0; j < F; ++j) {
+        if ((mask[j >> 6] >> (j & 63)) & 1) {
+          v[j] = 0.f;  // non-finite: emit 0, keep the old residual
+        } else {
+          v[j] = row[j];
+          row[j] = 0.f;
         }
       }
     }
-  }
+  });
 }
 
 MXReturnValue select_parse(const Attrs& attrs, int* nin, int* nout) {

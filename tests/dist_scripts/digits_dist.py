@@ -5,6 +5,8 @@ past ``import mxnet`` (ps-lite's loop runs inside it). Options:
   --kvstore NAME   the store to create (default dist_sync)
   --steps N        training steps (0: train until killed)
   --out-dir DIR    write params-rank<R>.npz at the end and progress-rank<R> after step 2
+  --fail-rank R    the worker of rank R raises at step 3 (a failing script)
+  --mismatch       rank 1 builds a wider net than the others (workers with different models)
 """
 import argparse
 import os
@@ -25,6 +27,8 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--fail-rank", type=int, default=-1)
+    ap.add_argument("--mismatch", action="store_true")
     args = ap.parse_args()
 
     kv = mx.kv.create(args.kvstore)
@@ -33,7 +37,7 @@ def main():
     x, y = shard(x, y, kv.num_workers, kv.rank)
 
     mx.random.seed(0)
-    net = digits_net(width=16, hidden=64)
+    net = digits_net(width=24 if args.mismatch and kv.rank == 1 else 16, hidden=64)
     net.initialize(mx.init.Xavier())
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore=kv)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
@@ -47,6 +51,8 @@ def main():
         loss.backward()
         trainer.step(b)
         step += 1
+        if step == 3 and kv.rank == args.fail_rank:
+            raise RuntimeError("injected failure on rank %d" % kv.rank)
         if step == 2:
             open(os.path.join(args.out_dir, "progress-rank%d" % kv.rank), "w").close()
         if args.steps == 0:

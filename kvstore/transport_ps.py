@@ -1,0 +1,204 @@
+"""Transport over MXNet's own parameter server (ps-lite, kvstore dist_sync).
+
+Each hylo layer becomes one or more parameter-server keys ("chunks", see
+kvstore.wire for their layout): large layers are cut into chunks of at most
+``chunk_elements`` and every chunk is placed on the server that carries the least
+so far, so every server gets a fair share. A worker pushes only its compressed
+payload (row_sparse rows), the servers decode and aggregate (kvstore.server, sent to
+them as a pickled optimizer, MXNet's hook for server-side code), and the worker pulls
+the dense float32 aggregate. Parameters are broadcast from rank 0 through a dense key
+of their own.
+"""
+import dataclasses
+import os
+
+import mxnet as mx
+import numpy as np
+
+from .server import ServerDecoder
+from .wire import DEFAULT_CHUNK_ELEMENTS, ChunkLayout, pack_codes, plan_chunks
+
+_ROW_ID_BYTES = 8       # row_sparse pushes and pulls carry int64 row ids
+
+
+class PSTransport:
+    """Moves hylo payloads through a native 'dist_sync' KVStore of this worker.
+
+    chunk_elements: the largest piece of a layer in one parameter-server key.
+    """
+
+    def __init__(self, policy, chunk_elements=DEFAULT_CHUNK_ELEMENTS):
+        if os.environ.get("DMLC_ROLE") != "worker":
+            raise RuntimeError("the hylo parameter-server transport runs in MXNet worker "
+                               "processes (DMLC_ROLE=worker), started by python -m "
+                               "mxhylo.launch or MXNet's tools/launch.py")
+        self.kv = mx.kv.create("dist_sync")
+        self.rank = self.kv.rank
+        self.num_workers = self.kv.num_workers
+        self.num_servers = int(os.environ["DMLC_NUM_SERVER"])
+        self.chunk_elements = int(chunk_elements)
+        self._next_key = 0
+        self._load = [0] * self.num_servers
+        self._bcast = {}          # hylo key -> parameter-server key of the parameter
+        self._chunks = {}         # hylo key -> [(ps key, ChunkLayout)]
+        self._layouts = {}        # ps key -> (layer name, ChunkLayout), for the servers
+        self._layouts_sent = False
+        self._pull = {}           # ps key -> (row_sparse pull buffer, row ids)
+        self._check_servers_decode()
+
+    def _check_servers_decode(self):
+        """Fail fast unless every server runs hylo's decoder.
+
+        A server that cannot import mxhylo only logs the failed unpickling and goes on
+        summing, which would hand the workers raw payloads as gradients. Each server
+        gets a probe key whose pull proves the decoder ran.
+        """
+        probes = []
+        for server in range(self.num_servers):
+            key = self._key_on(server)
+            self._layouts[key] = ("probe", ChunkLayout("probe", 0, 1, 1, server=server))
+            probes.append(key)
+        self.kv.init(probes, [mx.nd.zeros((1,)) for _ in probes])
+        self.kv.set_optimizer(ServerDecoder(self._layouts))
+        self._layouts_sent = True
+        outs = [mx.nd.zeros((1,)) for _ in probes]
+        for key in probes:
+            self.kv.push(key, mx.nd.ones((1,)))
+        self.kv.pull(probes, out=outs)
+        got = [float(o.asscalar()) for o in outs]
+        bad = [s for s, v in enumerate(got) if v != 2 * self.num_workers + 1]
+        if bad:
+            raise RuntimeError(
+                "parameter server(s) %s do not run hylo's decoder (probe returned %s, "
+                "expected %d): a server process must be able to import mxhylo; see that "
+                "server's output for the import error" % (
+                    bad, [got[s] for s in bad], 2 * self.num_workers + 1))
+
+    # -- keys ----------------------------------------------------------------------------
+
+    def _key_on(self, server):
+        """A fresh key id that MXNet routes to ``server``.
+
+        MXNet sends a key below its big-array bound to server (key * 9973) % S.
+        """
+        key = self._next_key
+        while (key * 9973) % self.num_servers != server:
+            key += 1
+        self._next_key = key + 1
+        return key
+
+    def _place(self, nbytes):
+        """A fresh key on the least-loaded server; (key, server)."""
+        server = int(np.argmin(self._load))
+        self._load[server] += nbytes
+        return self._key_on(server), server
+
+    def init(self, layer, value):
+        """Create the layer's keys on the servers (every worker calls this, in order)."""
+        if layer.key in self._bcast:
+            return
+        bkey, _ = self._place(4 * layer.plan.size)
+        keys, values = [bkey], [value]
+        chunks = []
+        for chunk in plan_chunks(layer.plan.strategy, layer.plan.shape, self.num_workers,
+                                 self.chunk_elements):
+            pskey, server = self._place(4 * chunk.size)
+            chunk = dataclasses.replace(chunk, server=server)
+            chunks.append((pskey, chunk))
+            self._layouts[pskey] = (layer.plan.name, chunk)
+            keys.append(pskey)
+            if chunk.kind == "dense":
+                values.append(mx.nd.zeros(chunk.key_shape, ctx=mx.cpu()))
+            else:
+                # every stored row non-zero (header column): see kvstore.wire
+                init = np.zeros(chunk.key_shape, np.float32)
+                init[:, 0] = 1.0
+                values.append(mx.nd.array(init).tostype("row_sparse"))
+                self._pull[pskey] = (
+                    mx.nd.sparse.zeros("row_sparse", chunk.key_shape),
+                    mx.nd.arange(chunk.dense_rows, dtype=np.int64))
+        self.kv.init(keys, values)      # one barrier for the layer
+        self._bcast[layer.key] = bkey
+        self._chunks[layer.key] = chunks
+        self._layouts_sent = False
+
+    def broadcast(self, layer, value, outs):
+        self.kv.pull(self._bcast[layer.key], out=outs)
+
+    # -- one exchange --------------------------------------------------------------------
+
+    def exchange(self, layer, payload, out):
+        """Push this worker's payload, pull the aggregate of all workers into ``out``.
+
+        Returns (bytes pushed, bytes pulled, {server: bytes}) as they go on the wire
+        (payload values and row ids; not ps-lite's message headers).
+        """
+        if layer.key not in self._chunks:
+            raise KeyError("key %r (%s) was pushed before being initialised: call "
+                           "broadcast first" % (layer.key, layer.plan.name))
+        if not self._layouts_sent:
+            self.kv.set_optimizer(ServerDecoder(self._layouts))
+            self._layouts_sent = True
+        pushes = self._encode_pushes(layer, payload)
+        pushed, pulled, per_server = 0, 0, {}
+        for (pskey, chunk), (value, nbytes) in zip(self._chunks[layer.key], pushes):
+            self.kv.push(pskey, value)
+            pushed += nbytes
+            per_server[chunk.server] = per_server.get(chunk.server, 0) + nbytes
+        flat = out.reshape((-1,))
+        for pskey, chunk in self._chunks[layer.key]:
+            if chunk.kind == "dense":
+                self.kv.pull(pskey, out=flat[chunk.lo:chunk.hi])
+                nbytes = 4 * chunk.size
+            else:
+                buf, row_ids = self._pull[pskey]
+                self.kv.row_sparse_pull(pskey, out=buf, row_ids=row_ids)
+                rows = buf.data[:, 1:]
+                if chunk.kind == "topk":
+                    out[chunk.lo:chunk.hi] = rows.reshape((chunk.hi - chunk.lo,) + out.shape[1:])
+                else:
+                    flat[chunk.lo:chunk.hi] = rows.reshape((-1,))[:chunk.size]
+                nbytes = chunk.dense_rows * (4 * chunk.cols + _ROW_ID_BYTES)
+            pulled += nbytes
+            per_server[chunk.server] = per_server.get(chunk.server, 0) + nbytes
+        return pushed, pulled, per_server
+
+    def _encode_pushes(self, layer, payload):
+        """Per chunk: (value to push, bytes on the wire)."""
+        chunks = self._chunks[layer.key]
+        if payload.strategy == "none":
+            flat = payload.arrays[0].reshape((-1,))
+            return [(flat[c.lo:c.hi], 4 * c.size) for _, c in chunks]
+        if payload.strategy == "conv_topk":
+            indices, values = (a.asnumpy() for a in payload.arrays)
+            values = values.reshape(len(indices), -1)
+            pushes = []
+            for _, c in chunks:
+                mine = (indices >= c.lo) & (indices < c.hi)
+                rows = indices[mine] - c.lo
+                data = np.zeros((max(len(rows), 1), c.cols), np.float32)
+                data[:len(rows), 1:] = values[mine]
+                if not len(rows):
+                    # sync mode waits for every worker's push of a key: a worker with
+                    # no filter in this chunk pushes one all-zero row, which adds nothing
+                    rows = np.zeros(1, np.int64)
+                pushes.append(self._row_sparse(c, data, rows))
+            return pushes
+        codes, threshold = payload.arrays[0].asnumpy().view(np.uint8), payload.scalars[0]
+        pushes = []
+        for _, c in chunks:
+            packed = pack_codes(codes[c.lo // 4:4 * -(-c.hi // 16)])
+            body = np.zeros(c.slot_rows * (c.cols - 1), np.float32)
+            body[:len(packed)] = packed
+            data = np.empty((c.slot_rows, c.cols), np.float32)
+            data[:, 0] = threshold
+            data[:, 1:] = body.reshape(c.slot_rows, -1)
+            rows = self.rank * c.slot_rows + np.arange(c.slot_rows)
+            pushes.append(self._row_sparse(c, data, rows))
+        return pushes
+
+    @staticmethod
+    def _row_sparse(chunk, data, rows):
+        value = mx.nd.sparse.row_sparse_array((data, rows.astype(np.int64)),
+                                              shape=chunk.key_shape)
+        return value, data.size * 4 + len(rows) * _ROW_ID_BYTES

@@ -1,0 +1,670 @@
+"""``python -m mxhylo.bench comm``: gradient exchange over MXNet's parameter server,
+each process in its own network namespace behind a shaped link.
+
+W workers, S servers and a scheduler each run in a network namespace whose one veth
+link to a bridge is shaped with tc tbf at --rate in both directions (see
+mxhylo.bench.netns). For every model (real parameter shapes from the gluoncv model zoo,
+one forward at --image-size) and every mode, a fresh parameter-server job exchanges one
+step's gradients --warmup + --steps times; the report gives per model and mode:
+
+* seconds per exchange: median over the timed steps of the slowest worker's time
+  (workers meet at a file barrier before each step; the warm-up is excluded);
+* bytes on the wire: /sys/class/net/eth0/statistics/{tx,rx}_bytes of every role's
+  interface, read before and after the timed steps: push = workers' tx, pull =
+  workers' rx, per step (L2 frames: payload plus TCP/IP/Ethernet headers);
+* hylo's own counters (kv.stats(): bytes pushed/pulled, per layer, timing if any);
+* the dense-pull floor, (dense model bytes * W / S) / rate: the time the servers'
+  links need to send every worker its pull of a dense model;
+* the speedup of each mode over dense_pushpull.
+
+Gradients are synthetic, N(0, --grad-scale) with 0.01 by default: a realistic scale
+(N(0, 1) is the worst case of threshold codecs such as MXNet's 2-bit). Needs root
+(namespaces); says so and exits non-zero otherwise. Everything created (processes,
+namespaces) is removed at the end, on error and on SIGINT/SIGTERM/SIGHUP.
+"""
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from . import netns
+
+ALL_MODES = ("dense_pushpull", "dense_push_pull", "mxnet_2bit", "hylo")
+DEFAULT_MODELS = ("resnet50_v1b", "vgg16", "alexnet")
+BASELINE = "dense_pushpull"
+FLOAT_BYTES = 4
+PS_PORT = 9091
+# ps-lite chatter in the counter window is tiny; codec CPU is the other bound on time:
+# per-job timeout = 120 s + (steps + warmup + 2) * (6 * floor + W * dense / 50 MB/s)
+_CPU_BYTES_PER_S = 50e6
+
+
+def add_arguments(parser):
+    parser.add_argument("-n", "--workers", type=int, default=4, help="workers (default 4)")
+    parser.add_argument("-s", "--servers", type=int, default=2, help="servers (default 2)")
+    parser.add_argument("--rate", default="1gbit",
+                        help="tc tbf rate of every link, each direction (default 1gbit)")
+    parser.add_argument("--delay", "--latency", dest="delay", default=None,
+                        help="one-way delay between nodes via netem, e.g. 1ms (default none;"
+                             " needs the kernel's netem qdisc)")
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                        help="comma-separated gluoncv model names (default %(default)s)")
+    parser.add_argument("--modes", default=",".join(ALL_MODES),
+                        help="comma-separated modes, of %s (default all; hylo is skipped "
+                             "with a note while mxhylo.kvstore.transport_ps is missing)"
+                             % ", ".join(ALL_MODES))
+    parser.add_argument("--steps", type=int, default=3,
+                        help="timed exchanges per model and mode; the median is reported "
+                             "(default 3)")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed exchanges before them (default 1)")
+    parser.add_argument("--grad-scale", type=float, default=0.01,
+                        help="gradients are N(0, this) (default 0.01)")
+    parser.add_argument("--image-size", type=int, default=224,
+                        help="input size of the forward that fixes the shapes (default 224)")
+    parser.add_argument("--mtu", type=int, default=1500, help="MTU of the links (default 1500)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds per job (model x mode) before it is killed (default: "
+                             "from the model size and rate)")
+    parser.add_argument("--hylo-options", default="{}",
+                        help="JSON dict of options for mxhylo.create (default {})")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic arrays")
+    parser.add_argument("--plot", default=None,
+                        help="PNG plot (default: beside --json, same name with .png)")
+    parser.add_argument("--keep-tmp", action="store_true",
+                        help="keep the job directories (configs, logs, worker results)")
+    parser.add_argument("--cleanup-stale", action="store_true",
+                        help="first delete namespaces left by comm runs that were killed "
+                             "(mxhcomm<pid>-* whose pid is gone)")
+
+
+# ----------------------------------------------------------------------------- pure parts
+
+def parse_list(text, allowed=None, what="item"):
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise ValueError("no %s given" % what)
+    if allowed is not None:
+        bad = [t for t in items if t not in allowed]
+        if bad:
+            raise ValueError("unknown %s %s (choose from %s)"
+                             % (what, ", ".join(bad), ", ".join(allowed)))
+    return items
+
+
+def role_names(num_workers, num_servers):
+    """Roles in address order: scheduler, server0.., worker0.."""
+    return (["scheduler"] + ["server%d" % i for i in range(num_servers)]
+            + ["worker%d" % i for i in range(num_workers)])
+
+
+def role_env(role, scheduler_addr, port, num_workers, num_servers, own_addr):
+    """The DMLC_* variables of one process (ordered as they appear on its command line)."""
+    kind = "scheduler" if role == "scheduler" else role.rstrip("0123456789")
+    return [("DMLC_ROLE", kind), ("DMLC_PS_ROOT_URI", scheduler_addr),
+            ("DMLC_PS_ROOT_PORT", str(port)), ("DMLC_NUM_SERVER", str(num_servers)),
+            ("DMLC_NUM_WORKER", str(num_workers)), ("DMLC_NODE_HOST", own_addr),
+            ("PS_VERBOSE", "0")]
+
+
+def role_command(exec_prefix, env, program):
+    """``ip netns exec NS env K=V ... PROGRAM...``."""
+    return list(exec_prefix) + ["env"] + ["%s=%s" % kv for kv in env] + list(program)
+
+
+def server_program(python=None):
+    """Scheduler/server: ps-lite's loop runs inside ``import mxnet`` when DMLC_ROLE is
+    scheduler or server (hylo's servers import mxhylo when they unpickle its decoder)."""
+    return [python or sys.executable, "-c", "import mxnet"]
+
+
+def worker_program(config, index, out, python=None):
+    return [python or sys.executable, "-m", "mxhylo.bench.comm_worker", "--config", config,
+            "--index", str(index), "--out", out]
+
+
+def block_shapes(net, image_size=224, channels=3):
+    """[{'key', 'name', 'shape'}] of the parameters a Trainer would exchange (grad_req
+    not 'null'), keyed by their index in collect_params() as gluon.Trainer keys them."""
+    import mxnet as mx
+    net.initialize(mx.init.Zero(), force_reinit=False)
+    net(mx.nd.zeros((1, channels, image_size, image_size)))
+    mx.nd.waitall()
+    out = []
+    for i, p in enumerate(net.collect_params().values()):
+        if p.grad_req != "null":
+            out.append({"key": i, "name": p.name, "shape": [int(d) for d in p.shape]})
+    return out
+
+
+def model_shapes(name, image_size=224):
+    """Exchanged parameter shapes of gluoncv model ``name`` after one forward."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import gluoncv
+        net = gluoncv.model_zoo.get_model(name, pretrained=False)
+        return block_shapes(net, image_size)
+
+
+def clean_env():
+    """This process's environment without DMLC_*/PS_* (an inherited DMLC_ROLE would make
+    a child a parameter-server node; the harness sets each role's own)."""
+    return {k: v for k, v in os.environ.items()
+            if not (k.startswith("DMLC_") or k.startswith("PS_"))}
+
+
+def shapes_in_subprocess(models, image_size, timeout=600):
+    """{model: shapes} computed in a child python, so that the harness does not keep
+    the models' memory (MXNet's pool holds freed arrays) for the whole run."""
+    code = ("import json, sys; from mxhylo.bench.comm import model_shapes; "
+            "print(json.dumps({m: model_shapes(m, %d) for m in %r}))" % (image_size,
+                                                                        list(models)))
+    res = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, timeout=timeout,
+                         env=clean_env())
+    if res.returncode != 0:
+        raise SystemExit("mxhylo.bench comm: could not get the model shapes:\n"
+                         + res.stderr[-3000:])
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def numel(shape):
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def model_summary(params, num_workers, num_servers, rate_bps):
+    sizes = [numel(p["shape"]) for p in params]
+    total = sum(sizes)
+    big = max(range(len(params)), key=lambda i: sizes[i])
+    dense_bytes = total * FLOAT_BYTES
+    return {"num_params": total, "num_keys": len(params), "dense_bytes": dense_bytes,
+            "largest_key": {"name": params[big]["name"], "shape": params[big]["shape"],
+                            "fraction": sizes[big] / total},
+            "dense_pull_floor_s": dense_pull_floor(dense_bytes, num_workers, num_servers,
+                                                   rate_bps),
+            "dense_push_floor_s": dense_bytes * 8.0 / rate_bps}
+
+
+def dense_pull_floor(dense_bytes, num_workers, num_servers, rate_bps):
+    """Seconds the servers' links need to send the dense pull: each server holds 1/S of
+    the model and sends it to W workers over one link of ``rate_bps``."""
+    return dense_bytes * num_workers / float(num_servers) / (rate_bps / 8.0)
+
+
+def step_seconds(worker_results):
+    """Per timed step: (slowest worker's own time, span from the first start to the
+    last finish) over all workers."""
+    n = min(len(r["steps"]) for r in worker_results)
+    slowest, span = [], []
+    for i in range(n):
+        steps = [r["steps"][i] for r in worker_results]
+        slowest.append(max(s["seconds"] for s in steps))
+        span.append(max(s["start"] + s["seconds"] for s in steps) - min(s["start"] for s in steps))
+    return slowest, span
+
+
+def wire_summary(before, after, steps):
+    """Bytes per step from counters {role: (tx, rx)} before/after ``steps`` exchanges."""
+    delta = {r: (after[r][0] - before[r][0], after[r][1] - before[r][1]) for r in before}
+    workers = [r for r in delta if r.startswith("worker")]
+    servers = [r for r in delta if r.startswith("server")]
+    per = float(max(steps, 1))
+    return {
+        "push_bytes_per_step": sum(delta[r][0] for r in workers) / per,
+        "pull_bytes_per_step": sum(delta[r][1] for r in workers) / per,
+        "server_tx_bytes_per_step": sum(delta[r][0] for r in servers) / per,
+        "server_rx_bytes_per_step": sum(delta[r][1] for r in servers) / per,
+        "per_role_per_step": {r: {"tx": d[0] / per, "rx": d[1] / per}
+                              for r, d in sorted(delta.items())},
+    }
+
+
+def hylo_summary(worker_results, steps):
+    """hylo's own byte counts over the timed steps (summed over workers, per step), its
+    timing dict if it reports one, and worker 0's full stats."""
+    keys = ("bytes_pushed", "bytes_pulled", "dense_bytes")
+    out = {}
+    for k in keys:
+        vals = []
+        for r in worker_results:
+            a, b = (r.get("stats") or {}).get(k), (r.get("stats_before") or {}).get(k)
+            if isinstance(a, (int, float)):
+                vals.append(a - (b if isinstance(b, (int, float)) else 0))
+        if vals:
+            out[k + "_per_step"] = sum(vals) / float(max(steps, 1))
+    timings = [(r.get("stats") or {}).get("timing") for r in worker_results]
+    if any(t is not None for t in timings):
+        out["timing"] = timings
+    w0 = min(worker_results, key=lambda r: r["index"])
+    out["worker0_stats"] = w0.get("stats")
+    return out
+
+
+def summarise_job(worker_results, before, after, steps):
+    slowest, span = step_seconds(worker_results)
+    res = {"status": "ok", "seconds": statistics.median(slowest) if slowest else None,
+           "seconds_steps": slowest, "span_steps": span,
+           "warmup_seconds": [max(r["warmup"][i]["seconds"] for r in worker_results)
+                              for i in range(min(len(r["warmup"]) for r in worker_results))],
+           "init_seconds": max(r["init_s"] for r in worker_results)}
+    if before and after:
+        res["wire"] = wire_summary(before, after, steps)
+    if any(r.get("stats") is not None for r in worker_results):
+        res["hylo"] = hylo_summary(worker_results, steps)
+    return res
+
+
+def add_speedups(results, floor_s):
+    """speedup = baseline seconds / mode seconds; also seconds / dense-pull floor."""
+    base = results.get(BASELINE, {}).get("seconds")
+    for res in results.values():
+        if res.get("seconds"):
+            res["speedup_vs_" + BASELINE] = (base / res["seconds"]) if base else None
+            res["x_dense_pull_floor"] = res["seconds"] / floor_s if floor_s else None
+    return results
+
+
+def job_timeout(summary, num_workers, steps, warmup):
+    rounds = steps + warmup + 2
+    return 120.0 + rounds * (6.0 * summary["dense_pull_floor_s"]
+                             + num_workers * summary["dense_bytes"] / _CPU_BYTES_PER_S)
+
+
+def format_table(report):
+    lines = ["%-14s %-16s %9s %8s %11s %11s %11s" % ("model", "mode", "s/exch", "speedup",
+                                                      "push MB/st", "pull MB/st", "hylo MB/st")]
+    for model, per_mode in report["results"].items():
+        floor = report["models"][model]["dense_pull_floor_s"]
+        for mode, res in per_mode.items():
+            if res.get("status") != "ok":
+                lines.append("%-14s %-16s %s" % (model, mode, res.get("status")))
+                continue
+            wire = res.get("wire", {})
+            hy = res.get("hylo", {})
+            hylo_mb = ((hy.get("bytes_pushed_per_step", 0) + hy.get("bytes_pulled_per_step", 0))
+                       / 1e6 if "bytes_pushed_per_step" in hy else None)
+            lines.append("%-14s %-16s %9.3f %8s %11.1f %11.1f %11s" % (
+                model, mode, res["seconds"],
+                "%.2fx" % res["speedup_vs_" + BASELINE]
+                if res.get("speedup_vs_" + BASELINE) else "-",
+                wire.get("push_bytes_per_step", 0) / 1e6,
+                wire.get("pull_bytes_per_step", 0) / 1e6,
+                "%.1f" % hylo_mb if hylo_mb is not None else "-"))
+        lines.append("%-14s %-16s %9.3f   (dense bytes * W / S / rate)" % (model,
+                                                                          "dense-pull floor",
+                                                                          floor))
+    return lines
+
+
+# ----------------------------------------------------------------------------- machine
+
+def machine_info():
+    info = {"hostname": socket.gethostname(), "kernel": platform.release(),
+            "python": platform.python_version(), "cpus": os.cpu_count()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+        with open("/proc/meminfo") as f:
+            info["mem_gib"] = round(int(f.readline().split()[1]) / 2 ** 20, 1)
+    except OSError:
+        pass
+    try:
+        import mxnet
+        info["mxnet"] = mxnet.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def hylo_available():
+    try:
+        return importlib.util.find_spec("mxhylo.kvstore.transport_ps") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+# ----------------------------------------------------------------------------- processes
+
+def _pdeathsig():
+    """preexec: SIGKILL the child if the harness dies (Linux), so nothing is orphaned."""
+    try:
+        import ctypes
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec():
+        prctl(1, int(signal.SIGKILL), 0, 0, 0)      # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(137)
+    return preexec
+
+
+class Proc:
+    def __init__(self, role, argv, log_path, cwd):
+        self.role, self.argv, self.log_path = role, argv, log_path
+        self.log = open(log_path, "wb")
+        self.popen = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, cwd=cwd, env=clean_env(),
+                                      start_new_session=True, preexec_fn=_pdeathsig())
+        self.pid = self.popen.pid
+
+    def poll(self):
+        return self.popen.poll()
+
+    def kill(self, grace=3.0):
+        """SIGTERM, then SIGKILL, to this child's process group (its own session)."""
+        if self.popen.poll() is None:
+            for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+                try:
+                    os.killpg(self.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.popen.wait(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        self.log.close()
+
+    def tail(self, n=2000):
+        try:
+            with open(self.log_path, "rb") as f:
+                data = f.read()
+            return data[-n:].decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+
+class JobError(RuntimeError):
+    pass
+
+
+class _Interrupted(BaseException):
+    pass
+
+
+def run_job(topo, job_dir, mode, params, cfg, port, timeout):
+    """One parameter-server job: start everything, serve the counter handshakes, wait.
+    Returns (worker results, counters before, counters after)."""
+    W, S = cfg["num_workers"], cfg["num_servers"]
+    sync_dir = os.path.join(job_dir, "sync")
+    os.makedirs(sync_dir)
+    config = dict(cfg, mode=mode, sync_dir=sync_dir, keys=[p["key"] for p in params],
+                  shapes=[p["shape"] for p in params], barrier_timeout=timeout)
+    config_path = os.path.join(job_dir, "config.json")
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    sched = topo.addr("scheduler")
+    procs, outs = [], {}
+    deadline = time.monotonic() + timeout
+    counters = {}
+    try:
+        for role in topo.roles:
+            env = role_env(role, sched, port, W, S, topo.addr(role))
+            if role.startswith("worker"):
+                idx = int(role[len("worker"):])
+                outs[role] = os.path.join(job_dir, "%s.json" % role)
+                program = worker_program(config_path, idx, outs[role])
+            else:
+                program = server_program()
+            procs.append(Proc(role, role_command(topo.exec_prefix(role), env, program),
+                              os.path.join(job_dir, role + ".log"), os.getcwd()))
+        workers = [p for p in procs if p.role.startswith("worker")]
+        others = [p for p in procs if not p.role.startswith("worker")]
+        early_since = None
+        while True:
+            for mark in ("start", "end"):
+                path = os.path.join(sync_dir, "mark-" + mark)
+                if mark not in counters and os.path.exists(path):
+                    counters[mark] = topo.all_counters()
+                    open(path + ".ack", "w").close()
+            codes = [p.poll() for p in workers]
+            bad = [(p, c) for p, c in zip(workers, codes) if c not in (None, 0)]
+            if bad:
+                raise JobError("%s exited with code %d" % (bad[0][0].role, bad[0][1]))
+            # A server or scheduler ends once every worker has finalized, which can be
+            # a moment before the workers' processes are gone: only a non-zero code, or
+            # an exit while some worker has not written its result for 30 s, is an error.
+            early = [p for p in others if p.poll() is not None]
+            if early and not all(c == 0 for c in codes):
+                if early[0].poll() != 0:
+                    raise JobError("%s exited with code %d while workers were running"
+                                   % (early[0].role, early[0].poll()))
+                if all(os.path.exists(o) for o in outs.values()):
+                    pass
+                elif early_since is None:
+                    early_since = time.monotonic()
+                elif time.monotonic() - early_since > 30:
+                    raise JobError("%s exited while workers were running"
+                                   % early[0].role)
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                raise JobError("timed out after %.0f s" % timeout)
+            time.sleep(0.02)
+        # ps-lite servers and scheduler stop once every worker has finalized.
+        end = time.monotonic() + 30
+        while any(p.poll() is None for p in others) and time.monotonic() < end:
+            time.sleep(0.05)
+        results = []
+        for role in sorted(outs):
+            with open(outs[role]) as f:
+                results.append(json.load(f))
+        if "start" not in counters or "end" not in counters:
+            raise JobError("the workers never asked for the counter reads")
+        return results, counters["start"], counters["end"]
+    except JobError as err:
+        tails = {p.role: p.tail() for p in procs if p.poll() not in (None, 0)}
+        if not tails:
+            tails = {p.role: p.tail() for p in procs}
+        err.tails = tails
+        raise
+    finally:
+        for p in reversed(procs):
+            p.kill()
+
+
+# ----------------------------------------------------------------------------- plot
+
+def write_plot(report, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(report["results"])
+    modes = [m for m in report["config"]["modes"]]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    width = 0.8 / max(len(modes), 1)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for j, mode in enumerate(modes):
+        xs = [i + (j - (len(modes) - 1) / 2.0) * width for i in range(len(models))]
+        secs, push, pull = [], [], []
+        for m in models:
+            res = report["results"][m].get(mode, {})
+            ok = res.get("status") == "ok"
+            secs.append(res["seconds"] if ok else 0)
+            wire = res.get("wire", {}) if ok else {}
+            push.append(wire.get("push_bytes_per_step", 0) / 1e6)
+            pull.append(wire.get("pull_bytes_per_step", 0) / 1e6)
+        c = colors[j % len(colors)]
+        axes[0].bar(xs, secs, width, label=mode, color=c)
+        axes[1].bar(xs, push, width, color=c, label=mode + " push")
+        axes[1].bar(xs, pull, width, bottom=push, color=c, alpha=0.45, hatch="//",
+                    label=mode + " pull")
+    for i, m in enumerate(models):
+        floor = report["models"][m]["dense_pull_floor_s"]
+        axes[0].plot([i - 0.45, i + 0.45], [floor, floor], "k--", lw=1,
+                     label="dense-pull floor" if i == 0 else None)
+    cfg = report["config"]
+    for ax in axes:
+        ax.set_xticks(range(len(models)))
+        ax.set_xticklabels(models)
+    axes[0].set_ylabel("seconds per exchange (median)")
+    axes[0].legend(fontsize=8)
+    axes[1].set_ylabel("MB on the wire per step (workers' tx push + rx pull)")
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.suptitle("comm: %d workers, %d servers, %s links, grads %s, %s, %s"
+                 % (cfg["workers"], cfg["servers"], cfg["rate"], cfg["gradients"],
+                    report["machine"].get("hostname", ""), report["date"][:10]), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- run
+
+def _log(msg):
+    print("[comm] " + msg, file=sys.stderr, flush=True)
+
+
+def run(args):
+    reason = netns.check_capable()
+    if reason:
+        raise SystemExit("mxhylo.bench comm: cannot create network namespaces: " + reason)
+    W, S = args.workers, args.servers
+    if W < 1 or S < 1:
+        raise SystemExit("mxhylo.bench comm: need at least one worker and one server")
+    try:
+        rate_bps = netns.parse_rate(args.rate)
+        delay_s = netns.parse_time(args.delay) if args.delay else 0.0
+        models = parse_list(args.models, what="model")
+        modes = parse_list(args.modes, ALL_MODES, what="mode")
+        hylo_options = json.loads(args.hylo_options)
+    except ValueError as err:
+        raise SystemExit("mxhylo.bench comm: %s" % err)
+    notes = []
+    skipped = {}
+    if "hylo" in modes and not hylo_available():
+        skipped["hylo"] = "skipped: mxhylo.kvstore.transport_ps is not available in this build"
+        notes.append("hylo mode " + skipped["hylo"])
+
+    plot = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
+    if args.cleanup_stale:
+        for name in netns.stale_namespaces():
+            subprocess.run(["ip", "netns", "del", name], timeout=netns.CMD_TIMEOUT)
+            _log("removed stale namespace " + name)
+
+    _log("model shapes (gluoncv, one forward at %d)..." % args.image_size)
+    shapes, summaries = shapes_in_subprocess(models, args.image_size), {}
+    for m in models:
+        summaries[m] = model_summary(shapes[m], W, S, rate_bps)
+        _log("  %s: %d keys, %.1f MB dense, dense-pull floor %.2f s" % (
+            m, summaries[m]["num_keys"], summaries[m]["dense_bytes"] / 1e6,
+            summaries[m]["dense_pull_floor_s"]))
+
+    report = {
+        "suite": "comm",
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "config": {"workers": W, "servers": S, "rate": args.rate, "rate_bps": rate_bps,
+                   "delay": args.delay, "mtu": args.mtu,
+                   "tbf_burst_bytes": netns.tbf_burst_bytes(rate_bps),
+                   "steps": args.steps, "warmup": args.warmup,
+                   "gradients": "synthetic N(0, %g)" % args.grad_scale,
+                   "grad_scale": args.grad_scale, "image_size": args.image_size,
+                   "models": models, "modes": modes, "hylo_options": hylo_options,
+                   "seed": args.seed},
+        "models": summaries,
+        "notes": notes + [
+            "gradients are synthetic, drawn once per worker from N(0, %g) (a realistic "
+            "scale; N(0, 1) is the worst case for threshold codecs such as 2-bit)"
+            % args.grad_scale,
+            "seconds: median over %d timed exchanges (after %d warm-up) of the slowest "
+            "worker's time; workers meet at a file barrier before each exchange"
+            % (args.steps, args.warmup),
+            "wire bytes: interface counters (L2 frames incl. TCP/IP/Ethernet headers) "
+            "read before/after the timed exchanges; push = workers' tx, pull = workers' rx",
+            "dense-pull floor = dense model bytes * W / S / rate",
+            "every link shaped with tc tbf at the rate in both directions (star through a "
+            "bridge in a hub namespace)",
+            "%d processes (scheduler, %d servers, %d workers) share this machine's %s CPU "
+            "cores: at high rates the CPU, not the link, is the limit"
+            % (1 + S + W, S, W, os.cpu_count()),
+        ],
+        "results": {},
+    }
+
+    topo = netns.Topology(role_names(W, S), rate_bps, delay_s, mtu=args.mtu)
+    tmp = tempfile.mkdtemp(prefix="mxhylo-comm-")
+    cfg = {"num_workers": W, "num_servers": S, "warmup": args.warmup, "steps": args.steps,
+           "grad_scale": args.grad_scale, "seed": args.seed, "hylo_options": hylo_options}
+
+    def on_signal(signum, frame):
+        raise _Interrupted("signal %d" % signum)
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    failed = False
+    try:
+        topo.create()
+        _log("namespaces %s* up: %d roles, %s links" % (topo.prefix, len(topo.roles),
+                                                         args.rate))
+        port = PS_PORT
+        for m in models:
+            per_mode = report["results"][m] = {}
+            for mode in modes:
+                if mode in skipped:
+                    per_mode[mode] = {"status": skipped[mode]}
+                    continue
+                timeout = args.timeout or job_timeout(summaries[m], W, args.steps,
+                                                      args.warmup)
+                job_dir = os.path.join(tmp, "%s-%s" % (m, mode))
+                os.makedirs(job_dir)
+                _log("%s / %s (timeout %.0f s)..." % (m, mode, timeout))
+                t0 = time.monotonic()
+                try:
+                    results, before, after = run_job(topo, job_dir, mode, shapes[m], cfg,
+                                                     port, timeout)
+                    per_mode[mode] = summarise_job(results, before, after, args.steps)
+                    _log("  %.3f s per exchange (job %.0f s)" % (per_mode[mode]["seconds"],
+                                                                 time.monotonic() - t0))
+                except JobError as err:
+                    failed = True
+                    per_mode[mode] = {"status": "failed: %s" % err,
+                                      "log_tail": getattr(err, "tails", {})}
+                    _log("  FAILED: %s" % err)
+                port += 1
+            add_speedups(per_mode, summaries[m]["dense_pull_floor_s"])
+    except netns.NetnsError as err:
+        raise SystemExit("mxhylo.bench comm: network namespaces: %s" % err)
+    except _Interrupted as err:
+        _log("interrupted (%s): cleaning up" % err)
+        raise SystemExit(130)
+    finally:
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)
+        errors = topo.destroy()
+        for s, h in old.items():
+            signal.signal(s, h)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if errors:
+            _log("could not delete: %s" % "; ".join(errors))
+        if args.keep_tmp or failed:
+            _log("job files kept in " + tmp)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    report["table"] = format_table(report)
+    for line in report["table"]:
+        _log(line)
+    if plot:
+        write_plot(report, plot)
+        report["plot"] = plot
+        _log("plot: " + plot)
+    return report

@@ -1,0 +1,237 @@
+"""What one worker of the ``comm`` benchmark runs (started by mxhylo.bench.comm).
+
+    python -m mxhylo.bench.comm_worker --config JOB.json --index I --out RESULT.json
+
+The process is an MXNet parameter-server worker (DMLC_ROLE=worker and the other DMLC_*
+variables come from the harness). It builds one model's parameter and gradient arrays
+from the shapes in the config (gradients drawn once from N(0, grad_scale), seeded by
+the worker index), initialises the store the way Gluon's Trainer would, then times
+``warmup + steps`` exchanges of all gradients. Before every exchange the workers meet
+at a barrier of files in the job's sync directory (no network traffic, the same for
+every mode); each worker times its own exchange up to the moment every output has
+been written (mx.nd.waitall).
+
+Around the timed steps, worker 0 asks the harness to read the interface counters
+(``mark-start``/``mark-end`` files, answered with ``.ack``), while the other workers
+wait at a file barrier, so the window holds exactly the timed exchanges (and a few
+hundred bytes of ps-lite barrier/heartbeat chatter).
+
+Modes are small classes in MODES: ``init(keys, params)``, ``step(keys, grads, outs)``
+(start the exchange; the caller waits), ``stats()`` (a JSON-able dict or None).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+
+# ----------------------------------------------------------------------------- sync
+
+class FileSync:
+    """Barriers and harness handshakes through files in one shared directory."""
+
+    def __init__(self, directory, num_workers, index, timeout=600.0, poll=0.0005):
+        self.dir, self.n, self.index = directory, int(num_workers), int(index)
+        self.timeout, self.poll = float(timeout), poll
+        self.count = 0
+
+    def _wait_for(self, paths, what):
+        deadline = time.monotonic() + self.timeout
+        pending = list(paths)
+        while True:
+            pending = [p for p in pending if not os.path.exists(p)]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError("worker %d: %s not reached within %.0f s (missing %s)"
+                                   % (self.index, what, self.timeout,
+                                      ", ".join(os.path.basename(p) for p in pending)))
+            time.sleep(self.poll)
+
+    def barrier(self, tag=""):
+        """Return when every worker has called barrier the same number of times."""
+        self.count += 1
+        name = "barrier%04d%s" % (self.count, ("-" + tag) if tag else "")
+        open(os.path.join(self.dir, "%s.%d" % (name, self.index)), "w").close()
+        self._wait_for([os.path.join(self.dir, "%s.%d" % (name, i)) for i in range(self.n)],
+                       "barrier " + name)
+
+    def mark(self, name):
+        """Tell the harness ``name`` and wait for its acknowledgement."""
+        path = os.path.join(self.dir, "mark-" + name)
+        with open(path + ".tmp", "w") as f:
+            f.write("%.6f\n" % time.time())
+        os.rename(path + ".tmp", path)
+        self._wait_for([path + ".ack"], "harness acknowledgement of " + name)
+
+
+# ----------------------------------------------------------------------------- modes
+
+class DenseMode:
+    """MXNet dist_sync; keys, priorities and call pattern as Gluon's Trainer with the
+    update on the workers (init, then pull to all workers; per step per key)."""
+    kv_type = "dist_sync"
+    push_then_pull = False
+    compression = None
+
+    def __init__(self, cfg):
+        import mxnet as mx
+        self.mx = mx
+        self.kv = mx.kv.create(self.kv_type)
+        if self.compression:
+            self.kv.set_gradient_compression(self.compression)
+
+    def init(self, keys, params):
+        self.kv.init(keys, params)
+        for k, p in zip(keys, params):
+            self.kv.pull(k, out=p, priority=-k)
+
+    def step(self, keys, grads, outs):
+        kv = self.kv
+        if self.push_then_pull:
+            for k, g in zip(keys, grads):
+                kv.push(k, g, priority=-k)
+            for k, o in zip(keys, outs):
+                kv.pull(k, out=o, priority=-k)
+        else:
+            for k, g, o in zip(keys, grads, outs):
+                kv.pushpull(k, g, out=o, priority=-k)
+
+    @property
+    def rank(self):
+        return self.kv.rank
+
+    def stats(self):
+        return None
+
+
+class DensePushPull(DenseMode):
+    """dense_pushpull: kv.pushpull per key (what gluon.Trainer does, update on workers)."""
+
+
+class DensePushThenPull(DenseMode):
+    """dense_push_pull: push every key, then pull every key."""
+    push_then_pull = True
+
+
+class MXNet2Bit(DenseMode):
+    """mxnet_2bit: built-in 2-bit compression (threshold 0.5), push then pull (MXNet 1.9
+    aborts pushpull with gradient compression on)."""
+    push_then_pull = True
+    compression = {"type": "2bit", "threshold": 0.5}
+
+
+class HyloMode:
+    """hylo: ``mxhylo.create('dist_sync_hylo', **options)``; broadcast at init, one
+    ``kv.pushpull(keys, grads, out=outs)`` per step; kv.stats() as reported by hylo."""
+
+    def __init__(self, cfg):
+        import mxhylo
+        self.kv = mxhylo.create("dist_sync_hylo", **(cfg.get("hylo_options") or {}))
+
+    def init(self, keys, params):
+        self.kv.broadcast(keys, params, out=params)
+
+    def step(self, keys, grads, outs):
+        self.kv.pushpull(keys, grads, out=outs)
+
+    @property
+    def rank(self):
+        return self.kv.rank
+
+    def stats(self):
+        return self.kv.stats()
+
+
+MODES = {
+    "dense_pushpull": DensePushPull,
+    "dense_push_pull": DensePushThenPull,
+    "mxnet_2bit": MXNet2Bit,
+    "hylo": HyloMode,
+}
+
+
+# ----------------------------------------------------------------------------- main
+
+def _jsonable(obj):
+    """stats() may hold numpy scalars/arrays, tuples, LayerPlans: make them JSON."""
+    import numpy as np
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return obj
+    if hasattr(obj, "__dict__"):
+        return _jsonable(vars(obj))
+    return repr(obj)
+
+
+def run_worker(cfg, index):
+    import mxnet as mx
+
+    sync = FileSync(cfg["sync_dir"], cfg["num_workers"], index,
+                    timeout=cfg.get("barrier_timeout", 600))
+    keys = [int(k) for k in cfg["keys"]]
+    shapes = [tuple(s) for s in cfg["shapes"]]
+    mx.random.seed(int(cfg.get("seed", 0)) * 1000 + index)
+    scale = float(cfg["grad_scale"])
+    params = [mx.nd.random.normal(0, 0.05, shape=s) for s in shapes]
+    grads = [mx.nd.random.normal(0, scale, shape=s) for s in shapes]
+    outs = [mx.nd.zeros(s) for s in shapes]
+    mx.nd.waitall()
+
+    t_init = time.perf_counter()
+    mode = MODES[cfg["mode"]](cfg)
+    mode.init(keys, params)
+    mx.nd.waitall()
+    init_s = time.perf_counter() - t_init
+
+    def timed_step():
+        sync.barrier()
+        t0, p0 = time.time(), time.perf_counter()
+        mode.step(keys, grads, outs)
+        mx.nd.waitall()
+        return {"start": t0, "seconds": time.perf_counter() - p0}
+
+    warm = [timed_step() for _ in range(int(cfg["warmup"]))]
+    stats_before = _jsonable(mode.stats())
+    sync.barrier("window")
+    if index == 0:
+        sync.mark("start")
+    sync.barrier("start")
+    timed = [timed_step() for _ in range(int(cfg["steps"]))]
+    sync.barrier("end")
+    if index == 0:
+        sync.mark("end")
+    stats_after = _jsonable(mode.stats())
+    sync.barrier("done")
+    return {"index": index, "rank": int(mode.rank), "mode": cfg["mode"], "init_s": init_s,
+            "warmup": warm, "steps": timed, "stats_before": stats_before,
+            "stats": stats_after}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m mxhylo.bench.comm_worker",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="job config JSON from the harness")
+    parser.add_argument("--index", type=int, required=True, help="this worker's index")
+    parser.add_argument("--out", required=True, help="write the result JSON here")
+    args = parser.parse_args(argv)
+    with open(args.config) as f:
+        cfg = json.load(f)
+    result = run_worker(cfg, args.index)
+    with open(args.out + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.rename(args.out + ".tmp", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

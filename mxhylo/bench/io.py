@@ -1,0 +1,234 @@
+"""``python -m mxhylo.bench io``: does RecordLoader hide the input time?
+
+One run, same records for every row (the scikit-learn digits upscaled to --size and
+packed as JPEG with mxhylo.im2rec, in a temporary folder):
+
+1. Decode throughput (images/s, no training step): a plain single-process cv2 loop
+   (read record, imdecode, BGR->RGB, HWC->CHW float32 batch), ImageRecordIter used
+   directly (both backends), and RecordLoader (delivered to the loop, and the
+   producer side alone).
+2. Input wait with a simulated compute step of fixed length per batch: the fraction
+   of the loop's wall time spent waiting for the next batch, for RecordLoader not
+   pipelined (prefetch=0: decode happens inside the loop), pipelined (prefetch>0),
+   and ImageRecordIter's own C++ prefetch. The step is --compute-factor times the
+   measured decode time per batch (>1: compute is longer than decode, where the
+   target is < 5% waiting), and also 0.5x to show the decode-bound case.
+
+The simulated step is time.sleep by default: on a GPU the step runs on the device
+while the host thread waits, leaving the host cores to the decoders; sleep models
+that (it holds no core and releases the GIL). A busy loop (--compute busy) instead
+models a CPU-bound step: on this 2-core machine it takes one of the two cores the
+decoders need, which is a different question.
+"""
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+
+def add_arguments(parser):
+    parser.add_argument("--size", type=int, default=224, help="image side in pixels (default 224)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=3,
+                        help="epochs per wait measurement (1348 images each; default 3)")
+    parser.add_argument("--prefetch", type=int, default=4, help="RecordLoader queue depth")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="preprocess_threads for the prefetching ImageRecordIter backend")
+    parser.add_argument("--compute", choices=("sleep", "busy"), default="sleep",
+                        help="simulated step: sleep (GPU-like, default) or busy loop (CPU-bound)")
+    parser.add_argument("--compute-factor", type=float, default=1.5,
+                        help="step length / measured decode time per batch (default 1.5)")
+    parser.add_argument("--compute-ms", type=float, default=None,
+                        help="fixed step length in ms instead of --compute-factor")
+    parser.add_argument("--workdir", default=None, help="where to pack the sample (default: a temp dir)")
+
+
+# ----------------------------------------------------------------------------- helpers
+def _step(kind, seconds):
+    if kind == "sleep":
+        time.sleep(seconds)
+    else:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+
+def _timed_loop(batches, compute, seconds, on_batch=None):
+    """Consume an iterable of batches, running the step after each; per-batch waits.
+
+    Returns (waits list in s, total wall s). A batch's wait is from asking for it to
+    receiving it; wall time runs from the first ask to the end of the last step.
+    """
+    waits = []
+    t0 = t_ask = time.perf_counter()
+    for batch in batches:
+        t_got = time.perf_counter()
+        waits.append(t_got - t_ask)
+        if on_batch is not None:
+            on_batch(batch)
+        if seconds > 0:
+            _step(compute, seconds)
+        t_ask = time.perf_counter()
+    return waits, time.perf_counter() - t0
+
+
+def _wait_report(waits, total, step_s):
+    n = len(waits)
+    first = waits[0] if waits else 0.0
+    steady_total = total - first - step_s if n > 1 else total
+    return {
+        "batches": n,
+        "wall_s": round(total, 4),
+        "wait_s": round(sum(waits), 4),
+        "wait_fraction": round(sum(waits) / total, 4) if total > 0 else 0.0,
+        # the very first batch can never be hidden; without it:
+        "wait_fraction_after_first_batch": round(sum(waits[1:]) / steady_total, 4)
+        if steady_total > 0 else 0.0,
+        "first_batch_wait_ms": round(first * 1e3, 2),
+        "median_wait_ms": round(float(np.median(waits)) * 1e3, 3) if waits else 0.0,
+    }
+
+
+def _cv2_loop(rec, index, batch_size, size):
+    """Images/s of a plain single-thread cv2 decode of every record into float32 batches."""
+    import cv2
+
+    from mxhylo.io import recfile
+    from mxhylo.io.packing import unpack_record
+
+    threads = cv2.getNumThreads()
+    cv2.setNumThreads(1)
+    try:
+        out = np.empty((batch_size, 3, size, size), np.float32)
+        n, t0 = 0, time.perf_counter()
+        with open(rec, "rb") as f:
+            for pos, offset in enumerate(index.offsets):
+                payload = recfile.read_payload(f, int(offset))
+                image_bytes = unpack_record(payload)[3]
+                img = cv2.imdecode(np.frombuffer(image_bytes, np.uint8), cv2.IMREAD_COLOR)
+                img = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+                out[pos % batch_size] = img.transpose(2, 0, 1)
+                n += 1
+        return n / (time.perf_counter() - t0)
+    finally:
+        cv2.setNumThreads(threads)
+
+
+def _record_iter(rec, idx, batch_size, size, backend, threads):
+    import mxnet as mx
+
+    return mx.io.ImageRecordIter(path_imgrec=rec, path_imgidx=idx, data_shape=(3, size, size),
+                                 batch_size=batch_size, round_batch=False, ctx=backend,
+                                 device_id=-1, preprocess_threads=threads, verbose=False)
+
+
+def _epochs(it, epochs):
+    """Batches of ``epochs`` passes over an ImageRecordIter (reset in between)."""
+    for _ in range(epochs):
+        for b in it:
+            b.data[0].wait_to_read()
+            yield b
+        it.reset()
+
+
+def _iter_throughput(it, epochs, n_images):
+    waits, total = _timed_loop(_epochs(it, epochs), "sleep", 0.0)
+    return epochs * n_images / total
+
+
+# ----------------------------------------------------------------------------- run
+def run(args):
+    import mxnet as mx
+
+    from mxhylo.io import RecordLoader
+    from mxhylo.io.digits_sample import write_digits
+
+    workdir = args.workdir or tempfile.mkdtemp(prefix="mxhylo-bench-io-")
+    try:
+        t0 = time.perf_counter()
+        out = write_digits(workdir, size=args.size, val_fraction=0.25, encoding=".jpg",
+                           num_workers=2, progress=False)
+        pack_s = time.perf_counter() - t0
+        rec, idx = out["train"] + ".rec", out["train"] + ".idx"
+        bs, size = args.batch_size, args.size
+        shape = (3, size, size)
+
+        def loader(prefetch, backend="cpu"):
+            return RecordLoader(rec, idx, bs, shape, ctx=mx.cpu(), prefetch=prefetch,
+                                iter_ctx=backend, preprocess_threads=args.threads)
+
+        probe = loader(0)
+        n_images = probe.part_size
+        index = probe.index
+        probe.close()
+
+        # 1. decode throughput, nothing else in the loop
+        thr = {"cv2_single_process_loop": _cv2_loop(rec, index, bs, size)}
+        thr["imagerecorditer_cpu_backend"] = _iter_throughput(
+            _record_iter(rec, idx, bs, size, "cpu", args.threads), args.epochs, n_images)
+        thr["imagerecorditer_prefetch_backend"] = _iter_throughput(
+            _record_iter(rec, idx, bs, size, "gpu", args.threads), args.epochs, n_images)
+        for name, prefetch in (("recordloader_not_pipelined", 0),
+                               ("recordloader_pipelined", args.prefetch)):
+            ld = loader(prefetch)
+            waits, total = _timed_loop((b for _ in range(args.epochs) for b in ld), "sleep", 0.0)
+            thr[name] = args.epochs * n_images / total
+            if prefetch:
+                thr["recordloader_producer_side"] = ld.stats()["decode_images_per_s"]
+            ld.close()
+        decode_ms = bs / thr["recordloader_not_pipelined"] * 1e3
+
+        # 2. waiting with a simulated step
+        factors = [args.compute_factor, 0.5] if args.compute_ms is None else [None]
+        wait = {}
+        for factor in factors:
+            step_ms = args.compute_ms if factor is None else factor * decode_ms
+            step_s = step_ms / 1e3
+            key = "step_%.1fms" % step_ms if factor is None else "step_%.2fx_decode" % factor
+            rows = {"compute_ms_per_batch": round(step_ms, 2)}
+            for name, prefetch in (("not_pipelined", 0), ("pipelined", args.prefetch)):
+                ld = loader(prefetch)
+                waits, total = _timed_loop((b for _ in range(args.epochs) for b in ld),
+                                           args.compute, step_s)
+                rows[name] = _wait_report(waits, total, step_s)
+                rows[name]["loader_stats_wait_fraction"] = round(ld.stats()["wait_fraction"], 4)
+                ld.close()
+            it = _record_iter(rec, idx, bs, size, "gpu", args.threads)
+            waits, total = _timed_loop(_epochs(it, args.epochs), args.compute, step_s)
+            rows["imagerecorditer_own_prefetch"] = _wait_report(waits, total, step_s)
+            wait[key] = rows
+
+        main_key = sorted(wait)[-1] if args.compute_ms is not None else \
+            "step_%.2fx_decode" % args.compute_factor
+        pipelined = wait[main_key]["pipelined"]["wait_fraction"]
+        return {
+            "suite": "io",
+            "setup": {
+                "images_per_epoch": n_images, "image_size": size, "data_shape": list(shape),
+                "batch_size": bs, "epochs_per_measurement": args.epochs,
+                "encoding": "jpg q95 (grey digits, decoded as 3-channel)",
+                "prefetch": args.prefetch, "preprocess_threads": args.threads,
+                "cores": os.cpu_count(), "loadavg_1min_at_end": round(os.getloadavg()[0], 2),
+                "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
+                "im2rec_pack_s": round(pack_s, 2), "mxnet": mx.__version__,
+            },
+            "decode_images_per_s": {k: round(v, 1) for k, v in thr.items()},
+            "decode_ms_per_batch": round(decode_ms, 2),
+            "simulated_step": {
+                "kind": args.compute,
+                "why": "time.sleep: on a GPU the host thread waits while the device computes, "
+                       "leaving the CPU cores to the decoders; a busy loop would take one of "
+                       "the 2 cores (and the GIL) and model a CPU-bound step instead"
+                if args.compute == "sleep" else
+                "busy loop: models a CPU-bound step competing with the decoders for cores",
+            },
+            "wait": wait,
+            "target": "wait_fraction < 0.05 when compute per batch > decode per batch",
+            "target_met": bool(pipelined < 0.05) if (args.compute_ms is not None or
+                                                     args.compute_factor > 1) else None,
+        }
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)

@@ -1,0 +1,253 @@
+"""Run an unmodified Gluon/gluoncv training script distributed: ``python -m mxhylo.run``.
+
+    python -m mxhylo.launch -n 4 -s 2 python -m mxhylo.run [--kvstore NAME] SCRIPT [ARGS...]
+
+In every process mxhylo is imported first (registering the 'hylo' kvstore types).
+Then, by the role the launcher gave the process (DMLC_ROLE):
+
+server, scheduler: ``import mxnet`` runs ps-lite's server/scheduler loop and exits
+  the process when the job ends; SCRIPT is never run (as with MXNet's own launcher).
+worker: the distributed kvstore is created once (default
+  'dist_sync_hylo'; --kvstore dist_sync for MXNet's plain store), recorded with
+  mxhylo.kvstore.active.set_active(), and SCRIPT runs as __main__ with sys.argv =
+  [SCRIPT, ARGS...] under three patches, undone when it returns (see
+  DistributedPatches): Gluon Trainers created without a kvstore use that store and
+  average over all workers' samples (W workers with batch b train like one process
+  with batch W*b), and mx.io.ImageRecordIter reads only this worker's part of the file.
+
+Without DMLC_ROLE (not launched) SCRIPT just runs, with mxhylo imported.
+
+A worker whose script raises or exits non-zero leaves at once (os._exit) instead of
+waiting in ps-lite's exit-time finalize for workers that are waiting for it: without
+that, a failed worker hangs the whole job and the launcher never learns it failed.
+"""
+import argparse
+import functools
+import inspect
+import os
+import runpy
+import sys
+import threading
+import traceback
+
+DEFAULT_KVSTORE = "dist_sync_hylo"
+EXIT_SCRIPT_FAILED, EXIT_NO_JOB, EXIT_SETUP = 1, 3, 4
+
+
+def _say(msg):
+    sys.stderr.write("mxhylo.run: %s\n" % msg)
+    sys.stderr.flush()
+
+
+# ----------------------------------------------------------------------------- joining the job
+
+def create_kvstore(name, timeout):
+    """mx.kv.create(name), bounded: exit EXIT_NO_JOB if the job is not joined in ``timeout`` s.
+
+    Creating a distributed store blocks until the scheduler has heard from every
+    server and worker. ps-lite never gives up on its own: with a wrong
+    DMLC_PS_ROOT_URI/PORT, or a server that died at start, it waits forever, and no
+    PS_* variable (heartbeats, resends) changes that. The watchdog turns the hang into
+    an exit the launcher reports.
+    """
+    import mxnet as mx
+
+    registry = mx.kv.KVStoreBase.kv_registry
+    if "hylo" in name.lower() and name.lower() not in registry:
+        # mx.kv.create() would silently build a native store of that name instead.
+        _say("kvstore %r is not registered (registered: %s); mxhylo's hylo kvstore is "
+             "missing from this installation. Use --kvstore dist_sync for MXNet's store."
+             % (name, ", ".join(sorted(registry)) or "none"))
+        os._exit(EXIT_SETUP)
+
+    def give_up():
+        _say("this worker could not join the parameter-server job within %g s "
+             "(scheduler DMLC_PS_ROOT_URI=%s DMLC_PS_ROOT_PORT=%s unreachable, or a "
+             "server/worker of the job missing); giving up"
+             % (timeout, os.environ.get("DMLC_PS_ROOT_URI"),
+                os.environ.get("DMLC_PS_ROOT_PORT")))
+        os._exit(EXIT_NO_JOB)
+
+    timer = threading.Timer(timeout, give_up) if timeout and timeout > 0 else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+    try:
+        return mx.kv.create(name)
+    finally:
+        if timer is not None:
+            timer.cancel()
+
+
+# ----------------------------------------------------------------------------- the patches
+
+class DistributedPatches:
+    """Every monkeypatch mxhylo.run makes, in one place; a context manager, reversible.
+
+    1. gluon.Trainer.__init__: a Trainer created without a kvstore (or with Gluon's
+       default 'device') gets the job's store. Why: 'device' is a single-machine
+       store, so each worker would silently train its own model.
+    2. The same Trainers get ``_scale /= num_workers`` (Trainer.step(b) then rescales
+       gradients by 1/(W*b)). Why: the store sums the W workers' gradients and Gluon
+       divides by the per-worker batch only, which would make the step W times too
+       large. Trainers the script gives a kvstore explicitly are left alone.
+    3. mx.io.ImageRecordIter (and its twin in mxnet.io.io): num_parts=W,
+       part_index=kv.rank are added when the script sets neither. Why: otherwise
+       every worker reads the whole .rec and an epoch shows each sample W times.
+    """
+
+    def __init__(self, kv):
+        self.kv = kv
+        self._undo = []
+
+    def __enter__(self):
+        self.install()
+        return self
+
+    def __exit__(self, *exc):
+        self.uninstall()
+        return False
+
+    def _set(self, owner, attr, value):
+        self._undo.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, value)
+
+    def install(self):
+        import mxnet as mx
+        from mxnet import gluon
+
+        kv = self.kv
+        num_workers = kv.num_workers
+        trainer_init = gluon.Trainer.__init__
+        signature = inspect.signature(trainer_init)
+
+        @functools.wraps(trainer_init)
+        def init_with_job_store(trainer, *args, **kwargs):
+            bound = signature.bind(trainer, *args, **kwargs)
+            if bound.arguments.get("kvstore", "device") == "device":
+                bound.arguments["kvstore"] = kv
+                trainer_init(*bound.args, **bound.kwargs)
+                trainer._scale /= num_workers
+            else:
+                trainer_init(*bound.args, **bound.kwargs)
+        self._set(gluon.Trainer, "__init__", init_with_job_store)
+
+        rec_iter = mx.io.ImageRecordIter
+
+        @functools.wraps(rec_iter)
+        def sharded_rec_iter(*args, **kwargs):
+            if "num_parts" not in kwargs and "part_index" not in kwargs:
+                kwargs["num_parts"], kwargs["part_index"] = num_workers, kv.rank
+            return rec_iter(*args, **kwargs)
+        self._set(mx.io, "ImageRecordIter", sharded_rec_iter)
+        if getattr(mx.io.io, "ImageRecordIter", None) is rec_iter:
+            self._set(mx.io.io, "ImageRecordIter", sharded_rec_iter)
+
+    def uninstall(self):
+        while self._undo:
+            owner, attr, value = self._undo.pop()
+            setattr(owner, attr, value)
+
+
+# ----------------------------------------------------------------------------- running the script
+
+def run_script(path, args):
+    """Run ``path`` as __main__ with sys.argv = [path] + args, as ``python path args`` would."""
+    saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
+    sys.argv = [path] + list(args)
+    script_dir = os.path.dirname(os.path.abspath(path))
+    if sys.path:
+        sys.path[0] = script_dir
+    else:
+        sys.path.insert(0, script_dir)
+    try:
+        runpy.run_path(path, run_name="__main__")
+    finally:
+        sys.argv = saved_argv
+        if saved_path0 is not None:
+            sys.path[0] = saved_path0
+
+
+def _exit_now(code):
+    """Leave without interpreter teardown: no ps-lite finalize barrier to hang in."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_worker(args):
+    """Join the job, run the script under the patches; exit at once on failure."""
+    from mxhylo.kvstore.active import set_active
+
+    kv = create_kvstore(args.kvstore, args.connect_timeout)
+    set_active(kv)
+    _say("kvstore %s: rank %d of %d workers" % (args.kvstore, kv.rank, kv.num_workers))
+    try:
+        with DistributedPatches(kv):
+            run_script(args.script, args.script_args)
+    except SystemExit as exc:
+        code = exc.code
+        if code in (None, 0):
+            return 0
+        if not isinstance(code, int):
+            sys.stderr.write("%s\n" % (code,))
+            code = EXIT_SCRIPT_FAILED
+        _say("%s exited with code %d" % (args.script, code))
+        _exit_now(code)
+    except BaseException:               # incl. KeyboardInterrupt: still leave at once
+        traceback.print_exc()
+        _say("%s failed (traceback above); leaving without waiting for the other "
+             "processes" % args.script)
+        _exit_now(EXIT_SCRIPT_FAILED)
+    return 0
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m mxhylo.run", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kvstore", default=DEFAULT_KVSTORE,
+                   help="kvstore the workers create (default %s; e.g. dist_sync, "
+                        "dist_device_sync, hylo)" % DEFAULT_KVSTORE)
+    p.add_argument("--connect-timeout", type=float,
+                   default=float(os.environ.get("MXHYLO_CONNECT_TIMEOUT", 120)),
+                   metavar="SECONDS",
+                   help="a worker gives up (exit code %d) if it has not joined the job "
+                        "by then; 0: wait forever (default $MXHYLO_CONNECT_TIMEOUT or "
+                        "120)" % EXIT_NO_JOB)
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER,
+                   help="its arguments (everything after SCRIPT)")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        import mxhylo  # noqa: F401  registers the hylo kvstore types
+    except Exception:
+        traceback.print_exc()
+        _say("cannot import mxhylo in this %s process (broken environment?)"
+             % os.environ.get("DMLC_ROLE", "worker"))
+        return EXIT_SETUP
+    role = os.environ.get("DMLC_ROLE")
+    if role in ("server", "scheduler"):
+        # MXNet's import runs the ps-lite loop for these roles and calls sys.exit()
+        # when the job ends; if mxhylo imported mxnet already, we never get here.
+        import mxnet  # noqa: F401
+        return 0
+    if role not in (None, "worker"):
+        _say("unknown DMLC_ROLE %r (expected worker, server or scheduler)" % role)
+        return EXIT_SETUP
+    if not os.path.isfile(args.script):
+        _say("no such script: %s" % args.script)
+        return EXIT_SETUP
+    if role is None:
+        # Not launched as part of a job: one plain process, no store, no patches.
+        run_script(args.script, args.script_args)
+        return 0
+    return run_worker(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""A stand-in for gluoncv's scripts/classification/imagenet/train_imagenet.py (--use-rec).
+
+Like that script it knows nothing of distributed training: no kvstore option, a
+Trainer created as gluon.Trainer(net.collect_params(), optimizer, optimizer_params),
+an mx.io.ImageRecordIter without num_parts/part_index, and trainer.step(batch_size).
+``python -m mxhylo.run`` is what makes it train across workers. It writes the final
+parameters to --save-dir/params-<pid>.npz (it cannot know a worker rank).
+"""
+import argparse
+import os
+
+import mxnet as mx
+import numpy as np
+from mxnet import autograd, gluon
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description="Train a model on a .rec file.")
+    parser.add_argument("--rec-train", type=str, required=True)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--num-epochs", type=int, default=1)
+    parser.add_argument("--optimizer", type=str, default="nag")
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--wd", type=float, default=0.0001)
+    parser.add_argument("--save-dir", type=str, required=True)
+    return parser.parse_args()
+
+
+def get_data_rec(rec_train, batch_size):
+    return mx.io.ImageRecordIter(
+        path_imgrec=rec_train, data_shape=(1, 8, 8), batch_size=batch_size,
+        shuffle=False, preprocess_threads=1, scale=1.0 / 255)
+
+
+def main():
+    opt = parse_args()
+    ctx = [mx.cpu()]
+    mx.random.seed(0)
+    np.random.seed(0)
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(32, activation="relu"), gluon.nn.Dense(10))
+    net.initialize(mx.init.Xavier(), ctx=ctx)
+    net.hybridize()
+    optimizer_params = {"learning_rate": opt.lr, "wd": opt.wd}
+    if opt.optimizer in ("nag", "sgd") and opt.momentum:
+        optimizer_params["momentum"] = opt.momentum
+    trainer = gluon.Trainer(net.collect_params(), opt.optimizer, optimizer_params)
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    train_data = get_data_rec(opt.rec_train, opt.batch_size)
+    for epoch in range(opt.num_epochs):
+        train_data.reset()
+        for i, batch in enumerate(train_data):
+            # As gluoncv: the iterator's arrays live in pinned memory; load them per context.
+            data = gluon.utils.split_and_load(batch.data[0], ctx_list=ctx, batch_axis=0)
+            label = gluon.utils.split_and_load(batch.label[0], ctx_list=ctx, batch_axis=0)
+            with autograd.record():
+                losses = [loss_fn(net(X), y) for X, y in zip(data, label)]
+            for loss in losses:
+                loss.backward()
+            trainer.step(opt.batch_size)
+        print("epoch %d: %d batches, last loss %.4f"
+              % (epoch, i + 1, loss.mean().asscalar()), flush=True)
+    params = {k: v.data().asnumpy() for k, v in net.collect_params().items()}
+    np.savez(os.path.join(opt.save_dir, "params-%d.npz" % os.getpid()), **params)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,490 @@
+"""Tests of ``python -m mxhylo.launch`` and ``python -m mxhylo.run`` (plain dist_sync).
+
+Real jobs run a scheduler, servers and workers as processes on this machine. Every
+job gets a free port (the launcher picks one), a --timeout, and a --pid-file; each
+test checks afterwards that every pid the launcher started is gone, and kills only
+those pids if one is not.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from mxhylo import launch, procs
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(REPO, "tests", "dist_scripts")
+DIGITS = os.path.join(SCRIPTS, "digits_dist.py")
+STANDIN = os.path.join(SCRIPTS, "train_imagenet_standin.py")
+PY = sys.executable
+KV = os.environ.get("MXHYLO_TEST_KVSTORE", "dist_sync")   # the store every job uses
+
+
+def clean_env(**extra):
+    """This environment minus any DMLC_*/PS_* a surrounding job may have set."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DMLC_", "PS_", "MXHYLO_"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def launcher(args, tmp_path, timeout=60, env=None):
+    """argv of a launcher run (with a pid file and a job timeout)."""
+    pid_file = str(tmp_path / "pids.json")
+    return ([PY, "-m", "mxhylo.launch", "--pid-file", pid_file, "--timeout", str(timeout),
+             "--grace", "3"] + args), pid_file
+
+
+def started_pids(pid_file):
+    with open(pid_file) as f:
+        return [c["pid"] for c in json.load(f)["children"]]
+
+
+def assert_all_gone(pid_file):
+    """Every pid the launcher started is gone (or a zombie); kill survivors, then fail."""
+    if not os.path.exists(pid_file):
+        return
+    pids = started_pids(pid_file)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(procs.pid_alive(p) for p in pids):
+        time.sleep(0.1)
+    alive = [p for p in pids if procs.pid_alive(p) or procs.group_members(p)]
+    for p in alive:
+        try:
+            os.killpg(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not alive, "launcher left processes running: %s" % alive
+
+
+def run_launcher(args, tmp_path, timeout=60, env=None):
+    """Run the launcher to completion; returns (returncode, output, seconds)."""
+    argv, pid_file = launcher(args, tmp_path, timeout)
+    t0 = time.monotonic()
+    proc = subprocess.run(argv, cwd=REPO, env=env or clean_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, timeout=timeout + 30)
+    elapsed = time.monotonic() - t0
+    out = proc.stdout.decode("utf-8", "replace")
+    assert_all_gone(pid_file)
+    return proc.returncode, out, elapsed
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError("timed out waiting for " + what)
+
+
+# ----------------------------------------------------------------------------- environment
+
+class _Args:
+    """Parsed-options stand-in for plan_children."""
+
+    def __init__(self, **kw):
+        self.num_workers, self.num_servers = kw.pop("n", 2), kw.pop("s", 2)
+        self.launcher, self.hostfile, self.sync_dst_dir = kw.pop("launcher", "local"), \
+            kw.pop("hostfile", None), None
+        self.ssh, self.env, self.env_server, self.env_worker = "ssh", [], [], []
+        self.command = kw.pop("command", ["python", "train.py"])
+        self.__dict__.update(kw)
+
+
+def _mxnet_local_envs(monkeypatch, W, S):
+    """Run dmlc-tracker's local launcher (what MXNet's tools/launch.py calls) with its
+    subprocess calls captured; returns {('scheduler'|'worker'|'server', task_id): env}."""
+    import threading
+    from dmlc_tracker import local, tracker
+
+    class Thread(threading.Thread):     # dmlc-tracker still calls Thread.isAlive()
+        isAlive = threading.Thread.is_alive
+    captured, lock, all_in = {}, threading.Lock(), threading.Event()
+
+    def fake_call(cmd, shell=None, executable=None, env=None):
+        with lock:
+            captured[(env["DMLC_ROLE"], env["DMLC_TASK_ID"])] = env
+            if len(captured) == 1 + W + S:
+                all_in.set()
+        return 0
+
+    def fake_check_call(cmd, env=None, shell=None, executable=None):
+        # The "scheduler" must stay alive until the others started: dmlc-tracker only
+        # submits them while its scheduler thread is alive.
+        with lock:
+            captured[("scheduler", None)] = env
+        all_in.wait(10)
+    monkeypatch.setattr(tracker, "Thread", Thread)
+    monkeypatch.setattr(local.subprocess, "call", fake_call)
+    monkeypatch.setattr(tracker.subprocess, "check_call", fake_check_call)
+
+    class A:
+        num_workers, num_servers, command, local_num_attempt = W, S, ["python", "x.py"], 0
+    local.submit(A)
+    return captured, tracker.get_host_ip("auto")
+
+
+def test_local_env_matches_mxnet_launcher(monkeypatch):
+    """Per role, the variables we add to the environment equal dmlc-tracker's."""
+    W, S = 2, 3
+    mx_envs, mx_host = _mxnet_local_envs(monkeypatch, W, S)
+    assert mx_host == procs.host_ip("auto")
+    base = dict(os.environ)
+    port = int(mx_envs[("scheduler", None)]["DMLC_PS_ROOT_PORT"])
+    children = launch.plan_children(_Args(n=W, s=S), mx_host, port, environ=base)
+    assert len(children) == 1 + W + S
+    ours = {}
+    for c in children:
+        key = (c.role, c.env.get("DMLC_TASK_ID"))
+        ours[key] = c.env
+    assert set(ours) == set(mx_envs)
+    for key, mx_env in mx_envs.items():
+        theirs = {k: str(v) for k, v in mx_env.items() if os.environ.get(k) != str(v)}
+        mine = {k: v for k, v in ours[key].items() if os.environ.get(k) != v}
+        mine.pop("PYTHONUNBUFFERED", None)     # ours only: line-wise output through pipes
+        assert mine == theirs, key
+    # And the builder alone says the same, e.g. for worker 1 and server 0:
+    assert launch.role_env("worker", W, S, mx_host, port, task_id=1) == {
+        k: v for k, v in mx_envs[("worker", "1")].items() if k.startswith("DMLC_")}
+    assert launch.role_env("server", W, S, mx_host, port, task_id=W) == {
+        k: v for k, v in mx_envs[("server", str(W))].items() if k.startswith("DMLC_")}
+
+
+def test_ssh_commands_match_mxnet_launcher(monkeypatch, tmp_path):
+    """The ssh launcher's remote env/host placement equals dmlc-tracker's ssh launcher."""
+    import re
+    import threading
+    from dmlc_tracker import ssh, tracker
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("hostA\nhostB:2222\n\nhostC slots=4\n")
+    W, S = 2, 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+
+    class Thread(threading.Thread):
+        isAlive = threading.Thread.is_alive
+    progs, all_in = [], threading.Event()
+
+    def fake_check_call(cmd, env=None, shell=None, executable=None):
+        # tracker and ssh share the subprocess module: env= marks the scheduler's call,
+        # which must outlive the submissions (dmlc-tracker submits while it is alive).
+        if env is not None:
+            all_in.wait(10)
+            return 0
+        progs.append(cmd)
+        if len(progs) == W + S:
+            all_in.set()
+        return 0
+    monkeypatch.setattr(tracker, "Thread", Thread)
+    monkeypatch.setattr(ssh.subprocess, "check_call", fake_check_call)
+
+    class A:
+        num_workers, num_servers, host_file, host_ip = W, S, str(hostfile), None
+        sync_dst_dir, command = None, ["python", "train.py"]
+    ssh.submit(A)
+    # dmlc: ssh -o StrictHostKeyChecking=no HOST -p PORT 'export K=V; ... cd DIR; CMD'
+    theirs = []
+    for prog in progs:
+        m = re.match(r"ssh -o StrictHostKeyChecking=no (\S+) -p (\S+) '(.*)'$", prog)
+        host, port, remote = m.groups()
+        env = dict(re.findall(r"export (\w+)=([^;]*);", remote))
+        theirs.append((host, port, env))
+    port = int(theirs[0][2]["DMLC_PS_ROOT_PORT"])
+    uri = theirs[0][2]["DMLC_PS_ROOT_URI"]
+    children = launch.plan_children(_Args(n=W, s=S, launcher="ssh", hostfile=str(hostfile)),
+                                    uri, port, environ=dict(os.environ))
+    ours = []
+    for c in children[1:]:
+        argv = c.argv
+        assert argv[:3] == ["ssh", "-o", "StrictHostKeyChecking=no"]
+        _, _, _, _, sport, host, remote = argv
+        assert remote.startswith("cd %s && export " % os.getcwd())
+        assert "python train.py" in remote
+        env = dict(re.findall(r"(\w+)=(\S+)", remote.split(" && ")[1][len("export "):]))
+        assert env.pop("PYTHONUNBUFFERED") == os.environ.get("PYTHONUNBUFFERED", "1")
+        ours.append((host, sport, env))
+    # dmlc starts its threads in order servers then workers; compare as sets per role.
+    key = lambda t: (t[2]["DMLC_ROLE"], t[0], t[1], sorted(t[2].items()))
+    assert sorted(map(key, ours)) == sorted(map(key, theirs))
+    assert all("DMLC_TASK_ID" not in env for _, _, env in ours)
+    assert children[0].role == "scheduler" and children[0].host == "local"
+
+
+def test_ssh_remote_command_runs_and_stops_on_stdin_close(tmp_path):
+    """The remote shell text works (run by a local bash standing in for sshd): it cds,
+    exports, runs CMD; closing its stdin (what teardown does) stops CMD's group."""
+    marker = tmp_path / "env.txt"
+    remote = launch.remote_command(str(tmp_path), {"DMLC_ROLE": "worker", "X": "a b'c"},
+                                   ["bash", "-c", 'echo "$PWD|$DMLC_ROLE|$X" > env.txt; '
+                                                  'sleep 300'])
+    p = subprocess.Popen(["bash", "-c", remote], stdin=subprocess.PIPE,
+                         start_new_session=True)
+    try:
+        wait_for(marker.exists, 10, "the remote command to start")
+        time.sleep(0.2)
+        assert marker.read_text().strip() == "%s|worker|a b'c" % tmp_path
+        p.stdin.close()
+        p.wait(timeout=10)
+        assert p.returncode != 0          # CMD was terminated, and the shell says so
+        assert not procs.group_members(p.pid)
+        wait_for(lambda: not any("sleep 300" in open("/proc/%s/cmdline" % d).read()
+                                 .replace("\0", " ")
+                                 for d in os.listdir("/proc") if d.isdigit()
+                                 and _ppid_chain_has(int(d), p.pid)), 5, "sleep to end")
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def _ppid_chain_has(pid, ancestor):
+    try:
+        st = open("/proc/%d/stat" % pid).read()
+    except OSError:
+        return False
+    return int(st[st.rindex(")") + 2:].split()[1]) == ancestor
+
+
+def test_help_documents_itself():
+    for mod in ("mxhylo.launch", "mxhylo.run"):
+        out = subprocess.run([PY, "-m", mod, "--help"], stdout=subprocess.PIPE,
+                             timeout=30, check=True).stdout.decode()
+        assert "usage: python -m %s" % mod in out
+
+
+# ----------------------------------------------------------------------------- real jobs
+
+@pytest.mark.timeout(90)
+def test_dist_sync_digits_job_workers_agree(tmp_path):
+    rc, out, secs = run_launcher(["-n", "2", "-s", "2", PY, DIGITS, "--kvstore", KV,
+                                  "--steps", "5", "--out-dir", str(tmp_path)], tmp_path)
+    assert rc == 0, out
+    assert "[worker 0] " in out and "[worker 1] " in out and "job finished OK" in out
+    p0, p1 = (np.load(tmp_path / ("params-rank%d.npz" % r)) for r in (0, 1))
+    assert sorted(p0.files) == sorted(p1.files) and len(p0.files) >= 8
+    for k in p0.files:
+        np.testing.assert_array_equal(p0[k], p1[k], err_msg=k)
+
+
+@pytest.mark.timeout(90)
+def test_killed_worker_ends_job(tmp_path):
+    """SIGKILL one of 2 training workers: the job ends non-zero within 60 s, naming it."""
+    argv, pid_file = launcher(["-n", "2", "-s", "2", PY, DIGITS, "--kvstore", KV,
+                               "--steps", "0", "--out-dir", str(tmp_path)], tmp_path, 120)
+    job = subprocess.Popen(argv, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: all((tmp_path / ("progress-rank%d" % r)).exists() for r in (0, 1)),
+                 60, "both workers to train")
+        with open(pid_file) as f:
+            victim = [c for c in json.load(f)["children"] if c["name"] == "worker 1"][0]
+        t0 = time.monotonic()
+        os.kill(victim["pid"], signal.SIGKILL)
+        out = job.communicate(timeout=60)[0].decode()
+        elapsed = time.monotonic() - t0
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+        assert_all_gone(pid_file)
+    assert job.returncode != 0
+    assert elapsed < 60
+    assert "job FAILED" in out
+    assert "worker 1 (pid %d) was killed by signal SIGKILL" % victim["pid"] in out
+    print("worker kill -> job ended in %.2f s" % elapsed)
+
+
+def _digits_rec(path, n):
+    import mxnet as mx
+    from mxhylo.data import load_digits
+    x, y, _, _ = load_digits()
+    w = mx.recordio.MXRecordIO(str(path), "w")
+    for i in range(n):
+        img = np.round(x[i, 0] * 255).astype(np.uint8)
+        w.write(mx.recordio.pack_img(mx.recordio.IRHeader(0, float(y[i]), i, 0), img,
+                                     img_fmt=".png"))
+    w.close()
+
+
+def _batch_order_rec(src, dst, parts, batch):
+    """Write dst so that one reader with batch parts*batch sees, at step k, exactly the
+    samples the ``parts`` workers see at their step k (read back through the iterator)."""
+    import mxnet as mx
+    per_part = []
+    for part in range(parts):
+        it = mx.io.ImageRecordIter(path_imgrec=str(src), data_shape=(1, 8, 8),
+                                   batch_size=batch, shuffle=False, preprocess_threads=1,
+                                   num_parts=parts, part_index=part)
+        per_part.append([(b.data[0].asnumpy(), b.label[0].asnumpy(), b.pad) for b in it])
+    counts = {len(p) for p in per_part}
+    assert len(counts) == 1 and all(pad == 0 for p in per_part for _, _, pad in p), \
+        "pick a record count the parts split into whole batches"
+    w = mx.recordio.MXRecordIO(str(dst), "w")
+    for k in range(counts.pop()):
+        for part in per_part:
+            data, label, _ = part[k]
+            for img, lab in zip(data, label):
+                w.write(mx.recordio.pack_img(mx.recordio.IRHeader(0, float(lab), 0, 0),
+                                             img[0].astype(np.uint8), img_fmt=".png"))
+    w.close()
+
+
+@pytest.mark.timeout(120)
+def test_run_unmodified_script_equals_one_process_with_double_batch(tmp_path):
+    """2 workers x batch b under mxhylo.run == 1 process x batch 2b, plain SGD."""
+    b = 32
+    rec, ref_rec = tmp_path / "digits.rec", tmp_path / "digits-2b.rec"
+    _digits_rec(rec, 256)
+    _batch_order_rec(rec, ref_rec, 2, b)
+    common = ["--optimizer", "sgd", "--momentum", "0", "--wd", "0", "--lr", "0.5"]
+    (tmp_path / "dist").mkdir()
+    (tmp_path / "single").mkdir()
+    rc, out, secs = run_launcher(
+        ["-n", "2", "-s", "1", PY, "-m", "mxhylo.run", "--kvstore", KV, STANDIN,
+         "--rec-train", str(rec), "--batch-size", str(b), "--save-dir",
+         str(tmp_path / "dist")] + common, tmp_path)
+    assert rc == 0, out
+    assert out.count("epoch 0: 4 batches") == 2, out        # each worker read half
+    single = subprocess.run(
+        [PY, "-m", "mxhylo.run", STANDIN, "--rec-train", str(ref_rec), "--batch-size",
+         str(2 * b), "--save-dir", str(tmp_path / "single")] + common,
+        cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        timeout=60)
+    assert single.returncode == 0, single.stdout.decode()
+    dist = [np.load(p) for p in sorted((tmp_path / "dist").glob("*.npz"))]
+    ref = np.load(next((tmp_path / "single").glob("*.npz")))
+    assert len(dist) == 2
+    moved = 0.0
+    for k in ref.files:
+        np.testing.assert_array_equal(dist[0][k], dist[1][k], err_msg=k)
+        np.testing.assert_allclose(dist[0][k], ref[k], rtol=1e-4, atol=1e-5, err_msg=k)
+    # Not vacuous: training moved the weights by far more than the tolerance.
+    init = _standin_init()
+    moved = max(np.abs(ref[k] - init[k]).max() for k in ref.files)
+    assert moved > 1e-2
+
+
+def _standin_init():
+    """The stand-in's initial parameters (same seed, same net)."""
+    import mxnet as mx
+    from mxnet import gluon
+    mx.random.seed(0)
+    np.random.seed(0)
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(32, activation="relu"), gluon.nn.Dense(10))
+    net.initialize(mx.init.Xavier())
+    net(mx.nd.zeros((1, 1, 8, 8)))
+    return {k: v.data().asnumpy() for k, v in net.collect_params().items()}
+
+
+# ----------------------------------------------------------------------------- failures
+
+@pytest.mark.timeout(60)
+def test_server_that_cannot_import_mxhylo_ends_job(tmp_path):
+    """A broken environment on the servers (a shadowing mxhylo that fails to import)."""
+    broken = tmp_path / "broken" / "mxhylo"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text(
+        "raise ImportError('simulated broken environment on this host')\n")
+    rc, out, secs = run_launcher(
+        ["-n", "2", "-s", "1", "--env-server", "PYTHONPATH:%s" % broken.parent,
+         PY, "-m", "mxhylo.run", "--kvstore", KV, DIGITS, "--out-dir", str(tmp_path)],
+        tmp_path, timeout=40)
+    assert rc != 0 and secs < 30, out
+    assert "server 0 (pid" in out and "exited with code 1 while workers were still " \
+        "running" in out, out
+    assert "simulated broken environment" in out
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_scheduler_bounded_by_run_watchdog(tmp_path):
+    """Workers pointed at a port nobody listens on: ps-lite would wait forever; the
+    mxhylo.run connect watchdog ends the worker (exit 3), the launcher the job."""
+    dead_port = procs.free_port()
+    rc, out, secs = run_launcher(
+        ["-n", "1", "-s", "1", "--env-worker", "DMLC_PS_ROOT_PORT:%d" % dead_port,
+         PY, "-m", "mxhylo.run", "--kvstore", KV, "--connect-timeout", "4", DIGITS,
+         "--out-dir", str(tmp_path)], tmp_path, timeout=40)
+    assert rc != 0 and secs < 30, out
+    assert "worker 0 (pid" in out and "exited with code 3" in out, out
+    assert "could not join the parameter-server job within 4 s" in out
+    assert "DMLC_PS_ROOT_PORT=%d" % dead_port in out
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_scheduler_bounded_by_launcher_timeout(tmp_path):
+    """Without mxhylo.run nothing in the workers gives up: --timeout ends the job."""
+    dead_port = procs.free_port()
+    rc, out, secs = run_launcher(
+        ["-n", "1", "-s", "1", "--env-worker", "DMLC_PS_ROOT_PORT:%d" % dead_port,
+         PY, DIGITS, "--out-dir", str(tmp_path)], tmp_path, timeout=6)
+    assert rc == launch.EXIT_TIMEOUT and secs < 20, out
+    assert "ran past --timeout 6 s (still running: scheduler, worker 0, server 0)" in out
+
+
+@pytest.mark.timeout(60)
+def test_script_error_on_one_worker_ends_job(tmp_path):
+    """A worker's script raising mid-training: mxhylo.run exits at once (without it,
+    ps-lite's exit-time finalize would wait forever for the other worker)."""
+    rc, out, secs = run_launcher(
+        ["-n", "2", "-s", "1", PY, "-m", "mxhylo.run", "--kvstore", KV, DIGITS,
+         "--steps", "0", "--out-dir", str(tmp_path), "--fail-rank", "1"],
+        tmp_path, timeout=40)
+    assert rc != 0 and secs < 30, out
+    assert "RuntimeError: injected failure on rank 1" in out
+    assert "exited with code 1" in out and "job FAILED" in out
+
+
+@pytest.mark.timeout(60)
+def test_workers_with_different_models_surface_server_error(tmp_path):
+    """Different models on two workers: MXNet's server aborts on the shape mismatch,
+    and the launcher names the server and shows its last words."""
+    rc, out, secs = run_launcher(
+        ["-n", "2", "-s", "1", PY, DIGITS, "--kvstore", KV, "--out-dir", str(tmp_path),
+         "--mismatch"], tmp_path, timeout=40)
+    assert rc != 0 and secs < 30, out
+    assert "server 0 (pid" in out and "SIGABRT" in out, out
+    assert "shape mismatch" in out
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_launcher_stops_everything(tmp_path):
+    argv, pid_file = launcher(["-n", "1", "-s", "1", PY, DIGITS, "--kvstore", KV,
+                               "--steps", "0", "--out-dir", str(tmp_path)], tmp_path, 60)
+    job = subprocess.Popen(argv, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: (tmp_path / "progress-rank0").exists(), 40, "the worker to train")
+        job.send_signal(signal.SIGTERM)
+        out = job.communicate(timeout=20)[0].decode()
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+        assert_all_gone(pid_file)
+    assert job.returncode == 128 + signal.SIGTERM
+    assert "the launcher received SIGTERM" in out
+
+
+def test_ssh_launcher_end_to_end_with_stand_in_ssh(tmp_path):
+    """The ssh path (hostfile, remote command, teardown through stdin) with an 'ssh'
+    that runs the remote text with a local bash (there is no sshd here)."""
+    fake_ssh = tmp_path / "fake-ssh"
+    fake_ssh.write_text("#!/bin/bash\n# fake ssh: -o OPT -p PORT HOST CMD\n"
+                        "exec bash -c \"${@: -1}\"\n")
+    fake_ssh.chmod(0o755)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("127.0.0.1\nlocalhost:2200\n")
+    rc, out, secs = run_launcher(
+        ["-n", "2", "-s", "1", "--launcher", "ssh", "-H", str(hostfile), "--ssh",
+         str(fake_ssh), PY, DIGITS, "--kvstore", KV, "--steps", "3", "--out-dir",
+         str(tmp_path)], tmp_path, timeout=60)
+    assert rc == 0, out
+    assert (tmp_path / "params-rank0.npz").exists() and (tmp_path / "params-rank1.npz").exists()
