@@ -163,12 +163,12 @@ class Hylo(KVStoreBase):
         for layer, vals in zip(layers, values):                         # 1. reduce, 2. encode
             grad = self._reduce(vals)
             pending.append((layer, layer.compressor.encode(layer.plan, grad, self.memory)))
-        aggregates = []
-        for layer, payload in pending:                                   # 3. exchange
-            agg = self._aggregate_buffer(layer, payload.arrays[0].context)
-            pushed, pulled, per_server = self.transport.exchange(layer, payload, agg)
-            self.traffic.record(layer.plan, pushed, pulled, per_server=per_server)
-            aggregates.append(agg)
+        aggregates = [self._aggregate_buffer(layer, payload.arrays[0].context)
+                      for layer, payload in pending]                      # 3. exchange
+        traffic = self.transport.exchange(
+            [(layer, payload, agg) for (layer, payload), agg in zip(pending, aggregates)])
+        for (layer, _), (pushed, pulled, per_server, messages) in zip(pending, traffic):
+            self.traffic.record(layer.plan, pushed, pulled, messages, per_server)
         for agg, os_ in zip(aggregates, outs):                           # 4. write
             for o in os_:
                 if o.dtype == agg.dtype:

@@ -18,10 +18,14 @@ class LocalTransport:
         for out in outs:
             out[:] = value
 
-    def exchange(self, layer, payload, out):
-        """Decode ``payload`` into float32 ``out``; returns (pushed, pulled, per_server) bytes.
+    def exchange(self, items):
+        """Decode each (layer, payload, out) into float32 ``out``.
 
-        pulled is the dense float32 aggregate a distributed pull would return.
+        Returns, per item, (bytes pushed, bytes pulled, {server: bytes}, messages):
+        the payload's size, and the dense float32 aggregate a distributed pull returns.
         """
-        layer.compressor.decode(payload, out)
-        return payload.nbytes, 4 * layer.plan.size, {}
+        traffic = []
+        for layer, payload, out in items:
+            layer.compressor.decode(payload, out)
+            traffic.append((payload.nbytes, 4 * layer.plan.size, {}, 0))
+        return traffic

@@ -19,15 +19,19 @@ from .server import ServerDecoder
 from .wire import DEFAULT_CHUNK_ELEMENTS, ChunkLayout, pack_codes, plan_chunks
 
 _ROW_ID_BYTES = 8       # row_sparse pushes and pulls carry int64 row ids
+DEFAULT_BUCKET_BYTES = 2 << 20     # = DEFAULT_CHUNK_ELEMENTS float32 values
 
 
 class PSTransport:
     """Moves hylo payloads through a native 'dist_sync' KVStore of this worker.
 
     chunk_elements: the largest piece of a layer in one parameter-server key.
+    bucket_bytes: uncompressed layers pushed in one pushpull call travel fused into
+      buckets of up to this many bytes (float32).
     """
 
-    def __init__(self, policy, chunk_elements=DEFAULT_CHUNK_ELEMENTS):
+    def __init__(self, policy, chunk_elements=DEFAULT_CHUNK_ELEMENTS,
+                 bucket_bytes=DEFAULT_BUCKET_BYTES):
         if os.environ.get("DMLC_ROLE") != "worker":
             raise RuntimeError("the hylo parameter-server transport runs in MXNet worker "
                                "processes (DMLC_ROLE=worker), started by python -m "
@@ -37,6 +41,8 @@ class PSTransport:
         self.num_workers = self.kv.num_workers
         self.num_servers = int(os.environ["DMLC_NUM_SERVER"])
         self.chunk_elements = int(chunk_elements)
+        self.bucket_elements = int(bucket_bytes) // 4
+        self._bucket_keys = {}    # sequence of hylo keys -> (ps key, ChunkLayout, recv)
         self._next_key = 0
         self._load = [0] * self.num_servers
         self._bcast = {}          # hylo key -> parameter-server key of the parameter
@@ -127,41 +133,117 @@ class PSTransport:
 
     # -- one exchange --------------------------------------------------------------------
 
-    def exchange(self, layer, payload, out):
-        """Push this worker's payload, pull the aggregate of all workers into ``out``.
+    def exchange(self, items):
+        """One exchange of several layers: push every payload, then pull every aggregate.
 
-        Returns (bytes pushed, bytes pulled, {server: bytes}) as they go on the wire
-        (payload values and row ids; not ps-lite's message headers).
+        items: list of (layer, payload, out), out a float32 NDArray of the layer's shape.
+        Uncompressed layers of at most ``bucket_elements`` travel fused into buckets of
+        that size (one message each way per bucket, not one per tensor). Returns, per
+        item, (bytes pushed, bytes pulled, {server: bytes}, messages) as they go on the
+        wire (payload values and row ids; not ps-lite's own message headers).
         """
-        if layer.key not in self._chunks:
-            raise KeyError("key %r (%s) was pushed before being initialised: call "
-                           "broadcast first" % (layer.key, layer.plan.name))
+        for layer, _, _ in items:
+            if layer.key not in self._chunks:
+                raise KeyError("key %r (%s) was pushed before being initialised: call "
+                               "broadcast first" % (layer.key, layer.plan.name))
+        fused, alone = [], []
+        for i, (layer, payload, _) in enumerate(items):
+            small = payload.strategy == "none" and \
+                layer.plan.size <= min(self.bucket_elements, self.chunk_elements)
+            (fused if small else alone).append(i)
+        buckets = self._buckets([items[i] for i in fused], fused)
         if not self._layouts_sent:
             self.kv.set_optimizer(ServerDecoder(self._layouts))
             self._layouts_sent = True
-        pushes = self._encode_pushes(layer, payload)
-        pushed, pulled, per_server = 0, 0, {}
-        for (pskey, chunk), (value, nbytes) in zip(self._chunks[layer.key], pushes):
-            self.kv.push(pskey, value)
-            pushed += nbytes
-            per_server[chunk.server] = per_server.get(chunk.server, 0) + nbytes
-        flat = out.reshape((-1,))
-        for pskey, chunk in self._chunks[layer.key]:
-            if chunk.kind == "dense":
-                self.kv.pull(pskey, out=flat[chunk.lo:chunk.hi])
-                nbytes = 4 * chunk.size
-            else:
-                buf, row_ids = self._pull[pskey]
-                self.kv.row_sparse_pull(pskey, out=buf, row_ids=row_ids)
-                rows = buf.data[:, 1:]
-                if chunk.kind == "topk":
-                    out[chunk.lo:chunk.hi] = rows.reshape((chunk.hi - chunk.lo,) + out.shape[1:])
+        traffic = [[0, 0, {}, 0] for _ in items]
+
+        def count(i, server, pushed=0, pulled=0, messages=0):
+            t = traffic[i]
+            t[0] += pushed
+            t[1] += pulled
+            t[2][server] = t[2].get(server, 0) + pushed + pulled
+            t[3] += messages
+
+        for pskey, chunk, members, send, _ in buckets:                       # push
+            self.kv.push(pskey, send)
+            for n, (i, _, size) in enumerate(members):
+                count(i, chunk.server, pushed=4 * size, messages=int(n == 0))
+        for i in alone:
+            layer, payload, _ = items[i]
+            for (pskey, chunk), (value, nbytes) in zip(self._chunks[layer.key],
+                                                       self._encode_pushes(layer, payload)):
+                self.kv.push(pskey, value)
+                count(i, chunk.server, pushed=nbytes, messages=1)
+        for pskey, chunk, members, send, recv in buckets:                    # pull
+            self.kv.pull(pskey, out=recv)
+            for i, offset, size in members:
+                out = items[i][2]
+                out.reshape((-1,))[:] = recv[offset:offset + size]
+                count(i, chunk.server, pulled=4 * size, messages=0)
+        for i in alone:
+            layer, _, out = items[i]
+            flat = out.reshape((-1,))
+            for pskey, chunk in self._chunks[layer.key]:
+                if chunk.kind == "dense":
+                    self.kv.pull(pskey, out=flat[chunk.lo:chunk.hi])
+                    nbytes = 4 * chunk.size
                 else:
-                    flat[chunk.lo:chunk.hi] = rows.reshape((-1,))[:chunk.size]
-                nbytes = chunk.dense_rows * (4 * chunk.cols + _ROW_ID_BYTES)
-            pulled += nbytes
-            per_server[chunk.server] = per_server.get(chunk.server, 0) + nbytes
-        return pushed, pulled, per_server
+                    buf, row_ids = self._pull[pskey]
+                    self.kv.row_sparse_pull(pskey, out=buf, row_ids=row_ids)
+                    rows = buf.data[:, 1:]
+                    if chunk.kind == "topk":
+                        out[chunk.lo:chunk.hi] = rows.reshape((chunk.hi - chunk.lo,) + out.shape[1:])
+                    else:
+                        flat[chunk.lo:chunk.hi] = rows.reshape((-1,))[:chunk.size]
+                    nbytes = chunk.dense_rows * (4 * chunk.cols + _ROW_ID_BYTES)
+                count(i, chunk.server, pulled=nbytes, messages=1)
+        return [tuple(t) for t in traffic]
+
+    def _buckets(self, items, indices):
+        """Fill buckets with the small uncompressed payloads, in call order.
+
+        Returns [(ps key, ChunkLayout, [(item index, offset, size)], send, recv)]. A
+        bucket's key is made the first time that sequence of layers is seen (every
+        worker sees the same sequences in the same order, so the keys agree).
+        """
+        groups, group, total = [], [], 0
+        for (layer, payload, _), i in zip(items, indices):
+            if group and total + layer.plan.size > self.bucket_elements:
+                groups.append(group)
+                group, total = [], 0
+            group.append((i, layer, payload))
+            total += layer.plan.size
+        if group:
+            groups.append(group)
+        buckets = []
+        for group in groups:
+            signature = tuple(layer.key for _, layer, _ in group)
+            if len(group) == 1:
+                # a bucket of one is the layer's own key
+                i, layer, payload = group[0]
+                pskey, chunk = self._chunks[layer.key][0]
+                flat = payload.arrays[0].reshape((-1,))
+                buckets.append((pskey, chunk, [(i, 0, layer.plan.size)], flat,
+                                mx.nd.empty((layer.plan.size,))))
+                continue
+            entry = self._bucket_keys.get(signature)
+            if entry is None:
+                size = sum(layer.plan.size for _, layer, _ in group)
+                pskey, server = self._place(4 * size)
+                chunk = ChunkLayout("dense", 0, size, size, server=server)
+                self._layouts[pskey] = ("bucket:" + ",".join(l.plan.name for _, l, _ in group),
+                                        chunk)
+                self._layouts_sent = False
+                self.kv.init(pskey, mx.nd.zeros((size,)))
+                entry = self._bucket_keys[signature] = (pskey, chunk, mx.nd.empty((size,)))
+            pskey, chunk, recv = entry
+            members, offset = [], 0
+            for i, layer, _ in group:
+                members.append((i, offset, layer.plan.size))
+                offset += layer.plan.size
+            send = mx.nd.concat(*[p.arrays[0].reshape((-1,)) for _, _, p in group], dim=0)
+            buckets.append((pskey, chunk, members, send, recv))
+        return buckets
 
     def _encode_pushes(self, layer, payload):
         """Per chunk: (value to push, bytes on the wire)."""

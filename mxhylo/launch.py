@@ -18,6 +18,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -124,6 +125,20 @@ def command_text(command):
     return command[0] if len(command) == 1 else shlex.join(command)
 
 
+def node_address(host):
+    """DMLC_NODE_HOST for a hostfile entry: its IPv4 address when the name resolves here.
+
+    ps-lite binds its socket to DMLC_NODE_HOST, and a name there fails ("bind
+    failed", seen with 'localhost'); dmlc-tracker passes the entry as written, so a
+    hostfile of names only works with it if the names are addresses. A name that
+    does not resolve here (e.g. an ssh alias) is passed on as written.
+    """
+    try:
+        return socket.gethostbyname(host)
+    except (socket.gaierror, UnicodeError):
+        return host
+
+
 def read_hostfile(path):
     """[(host, port)] from a hostfile: one 'host', 'host:port' or 'host slots=N' a line."""
     hosts = []
@@ -201,7 +216,8 @@ def plan_children(args, root_uri, root_port, environ=None):
         index = i if role == "server" else i - S
         host, port = hosts[i % len(hosts)]
         exports = {k: environ[k] for k in SSH_PASSTHROUGH if k in environ}
-        exports.update(role_env(role, W, S, root_uri, root_port, "ssh", node_host=host))
+        exports.update(role_env(role, W, S, root_uri, root_port, "ssh",
+                                node_host=node_address(host)))
         # The remote shell does not inherit ours: pass the setting along either way.
         exports["PYTHONUNBUFFERED"] = environ.get("PYTHONUNBUFFERED", "1")
         exports.update(user_overrides(args, role))

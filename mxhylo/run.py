@@ -10,10 +10,11 @@ server, scheduler: ``import mxnet`` runs ps-lite's server/scheduler loop and exi
 worker: the distributed kvstore is created once (default
   'dist_sync_hylo'; --kvstore dist_sync for MXNet's plain store), recorded with
   mxhylo.kvstore.active.set_active(), and SCRIPT runs as __main__ with sys.argv =
-  [SCRIPT, ARGS...] under three patches, undone when it returns (see
+  [SCRIPT, ARGS...] under a few patches, undone when it returns (see
   DistributedPatches): Gluon Trainers created without a kvstore use that store and
   average over all workers' samples (W workers with batch b train like one process
-  with batch W*b), and mx.io.ImageRecordIter reads only this worker's part of the file.
+  with batch W*b), mx.io.ImageRecordIter reads only this worker's part of the file,
+  and a script's own mx.kv.create('dist_...') gets the job's store.
 
 Without DMLC_ROLE (not launched) SCRIPT just runs, with mxhylo imported.
 
@@ -94,6 +95,12 @@ class DistributedPatches:
     3. mx.io.ImageRecordIter (and its twin in mxnet.io.io): num_parts=W,
        part_index=kv.rank are added when the script sets neither. Why: otherwise
        every worker reads the whole .rec and an epoch shows each sample W times.
+    4. mx.kv.create (mxnet.kvstore.create, which Gluon also calls for a kvstore
+       string): a distributed name ('dist...' or '...hylo...') returns the job's
+       store. Why: ps-lite runs one node per process; a script that creates its own
+       'dist_sync' store would otherwise hang forever in the second create. Local
+       names ('local', 'device'), and calls from mxhylo's own modules (the hylo
+       store's transport makes its native store), still create a new store.
     """
 
     def __init__(self, kv):
@@ -142,6 +149,25 @@ class DistributedPatches:
         self._set(mx.io, "ImageRecordIter", sharded_rec_iter)
         if getattr(mx.io.io, "ImageRecordIter", None) is rec_iter:
             self._set(mx.io.io, "ImageRecordIter", sharded_rec_iter)
+
+        kv_create = mx.kv.create
+
+        @functools.wraps(kv_create)
+        def create_returns_job_store(name="local", *args, **kwargs):
+            # mxhylo's own code (the hylo store's parameter-server transport) creates
+            # its native store itself: only the script's calls are redirected.
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith("mxhylo."):
+                return kv_create(name, *args, **kwargs)
+            if isinstance(name, str) and ("dist" in name.lower() or "hylo" in name.lower()):
+                if name.lower() != str(getattr(kv, "type", "")).lower():
+                    _say("the script asks for kvstore %r: using the job's %r store "
+                         "(one distributed store per process)" % (name, kv.type))
+                return kv
+            return kv_create(name, *args, **kwargs)
+        self._set(mx.kv, "create", create_returns_job_store)
+        if getattr(mx.kv.base, "create", None) is kv_create:
+            self._set(mx.kv.base, "create", create_returns_job_store)
 
     def uninstall(self):
         while self._undo:

@@ -39,17 +39,22 @@ def _l1(a, finite):
 
 
 def _pack_codes(code, n):
-    """float32 codes in {0,1,2} (n,) -> int32 words, 16 codes per word, LSB first."""
+    """float32 codes in {0,1,2} (n,) -> int32 words, 16 codes per word, LSB first.
+
+    Each word is built as two 16-bit halves, sums that float32 holds exactly,
+    so the per-element passes stay float32; only the per-word combine runs in
+    float64 (exact below 2^53).
+    """
     words = _checks.num_words(n)
-    c = code.reshape((-1,)).astype(np.float64)
+    c = code.reshape((-1,))
     if words * 16 > n:
-        c = mx.nd.concat(c, mx.nd.zeros((words * 16 - n,), ctx=c.context, dtype=np.float64),
-                         dim=0)
-    weights = mx.nd.array((4.0 ** np.arange(16)).reshape((1, 16)), ctx=c.context,
-                          dtype=np.float64)
-    value = mx.nd.sum(mx.nd.broadcast_mul(c.reshape((words, 16)), weights), axis=1)
-    # exact in float64 (< 2^32); wrap to the int32 with the same bits
-    return (value - (value >= _TWO31) * _TWO32).astype(np.int32)
+        c = mx.nd.concat(c, mx.nd.zeros((words * 16 - n,), ctx=c.context), dim=0)
+    halves = mx.nd.sum(mx.nd.broadcast_mul(c.reshape((words, 2, 8)), _weights(c.context)),
+                       axis=2).astype(np.float64)
+    lo = mx.nd.slice_axis(halves, axis=1, begin=0, end=1)
+    hi = mx.nd.slice_axis(halves, axis=1, begin=1, end=2)
+    value = (lo + hi * 65536.0).reshape((words,))
+    return (value - (value >= _TWO31) * _TWO32).astype(np.int32)  # same bits as uint32
 
 
 def _unpack_codes(codes, n):
@@ -57,11 +62,16 @@ def _unpack_codes(codes, n):
     words = codes.shape[0]
     v = codes.astype(np.float64)
     v = v + (v < 0) * _TWO32  # the uint32 bit pattern, exact in float64
-    scale = mx.nd.array((4.0 ** np.arange(16)).reshape((1, 16)), ctx=codes.context,
-                        dtype=np.float64)
-    c = mx.nd.floor(mx.nd.broadcast_div(v.reshape((words, 1)), scale)) % 4
+    hi = mx.nd.floor(v / 65536.0)
+    halves = mx.nd.stack(v - hi * 65536.0, hi, axis=1).astype(np.float32)  # (words, 2), exact
+    c = mx.nd.floor(mx.nd.broadcast_div(halves.reshape((words, 2, 1)), _weights(codes.context))) % 4
     sign = (c == 1) - (c == 2)
-    return mx.nd.slice_axis(sign.reshape((-1,)), axis=0, begin=0, end=n).astype(np.float32)
+    return mx.nd.slice_axis(sign.reshape((-1,)), axis=0, begin=0, end=n)
+
+
+def _weights(ctx):
+    """float32 (1, 1, 8): 4^j, the place value of code j within a 16-bit half."""
+    return mx.nd.array((4.0 ** np.arange(8)).reshape((1, 1, 8)), ctx=ctx)
 
 
 def quantize_2bit(grad, residual, threshold):

@@ -56,3 +56,17 @@ def test_hylo_without_compression_equals_dist_sync(tmp_path, dist_sync):
                           "--policy", json.dumps({".*": "none"}))
     assert_same(params[0], params[1])
     assert_same(params[0], dist_sync[0][0])
+
+
+def test_small_tensors_travel_fused(tmp_path):
+    """21 small uncompressed tensors pushed in one call: one bucket message per step."""
+    out = str(tmp_path / "fusion-{rank}.json")
+    cmd = [sys.executable, "-m", "mxhylo.launch", "-n", "2", "-s", "2", "--timeout", "120",
+           sys.executable, os.path.join(ROOT, "tests", "dist_fusion_worker.py"), out]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in range(2):
+        report = json.load(open(out.format(rank=rank)))
+        assert report["ok"]
+        assert report["messages_per_step"] == 1
+        assert sum(report["bytes_per_server"].values()) > 0

@@ -371,8 +371,28 @@ def test_interpreter_exit_with_a_running_loader_does_not_hang(id_rec):
     rec, idx, _ = id_rec
     code = ("from mxhylo.io import RecordLoader\n"
             "l = RecordLoader(%r, %r, 16, (1, 32, 32), prefetch=4)\n"
-            "it = iter(l); next(it); print('ok')\n" % (rec, idx))
+            "it = iter(l); held = next(it); print('ok')\n" % (rec, idx))
     t0 = time.time()
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
     assert time.time() - t0 < 30
+
+
+def test_pooled_buffers_are_not_reused_while_a_view_is_alive():
+    from mxhylo.io.batches import HostBufferPool
+
+    pool = HostBufferPool(per_shape=2)
+    a = pool.take((4, 3), "float32")
+    a[:] = 1
+    view = a[1:2]
+    del a
+    b = pool.take((4, 3), "float32")  # the first buffer is still used by the view
+    b[:] = 2
+    assert view.asnumpy().tolist() == [[1, 1, 1]]
+    del b, view
+    c = pool.take((4, 3), "float32")
+    assert len(pool._bufs[((4, 3), np.dtype("float32").str)]) == 2  # reused, not grown
+    held = [c, pool.take((4, 3), "float32")]
+    extra = pool.take((4, 3), "float32")  # both held: a plain array, not retained
+    assert extra.shape == (4, 3) and len(pool._bufs[((4, 3), np.dtype("float32").str)]) == 2
+    del held

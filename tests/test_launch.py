@@ -67,8 +67,11 @@ def run_launcher(args, tmp_path, timeout=60, env=None):
     """Run the launcher to completion; returns (returncode, output, seconds)."""
     argv, pid_file = launcher(args, tmp_path, timeout)
     t0 = time.monotonic()
-    proc = subprocess.run(argv, cwd=REPO, env=env or clean_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, timeout=timeout + 30)
+    # Not the repository as cwd: python puts the cwd first on sys.path, where it
+    # would shadow the (broken) mxhylo a test puts on PYTHONPATH.
+    proc = subprocess.run(argv, cwd=str(tmp_path), env=env or clean_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          timeout=timeout + 30)
     elapsed = time.monotonic() - t0
     out = proc.stdout.decode("utf-8", "replace")
     assert_all_gone(pid_file)
@@ -278,7 +281,7 @@ def test_killed_worker_ends_job(tmp_path):
     """SIGKILL one of 2 training workers: the job ends non-zero within 60 s, naming it."""
     argv, pid_file = launcher(["-n", "2", "-s", "2", PY, DIGITS, "--kvstore", KV,
                                "--steps", "0", "--out-dir", str(tmp_path)], tmp_path, 120)
-    job = subprocess.Popen(argv, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
+    job = subprocess.Popen(argv, cwd=str(tmp_path), env=clean_env(), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: all((tmp_path / ("progress-rank%d" % r)).exists() for r in (0, 1)),
@@ -355,8 +358,8 @@ def test_run_unmodified_script_equals_one_process_with_double_batch(tmp_path):
     single = subprocess.run(
         [PY, "-m", "mxhylo.run", STANDIN, "--rec-train", str(ref_rec), "--batch-size",
          str(2 * b), "--save-dir", str(tmp_path / "single")] + common,
-        cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        timeout=60)
+        cwd=str(tmp_path), env=clean_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, timeout=60)
     assert single.returncode == 0, single.stdout.decode()
     dist = [np.load(p) for p in sorted((tmp_path / "dist").glob("*.npz"))]
     ref = np.load(next((tmp_path / "single").glob("*.npz")))
@@ -394,7 +397,7 @@ def test_server_that_cannot_import_mxhylo_ends_job(tmp_path):
     (broken / "__init__.py").write_text(
         "raise ImportError('simulated broken environment on this host')\n")
     rc, out, secs = run_launcher(
-        ["-n", "2", "-s", "1", "--env-server", "PYTHONPATH:%s" % broken.parent,
+        ["-n", "1", "-s", "1", "--env-server", "PYTHONPATH:%s" % broken.parent,
          PY, "-m", "mxhylo.run", "--kvstore", KV, DIGITS, "--out-dir", str(tmp_path)],
         tmp_path, timeout=40)
     assert rc != 0 and secs < 30, out
@@ -458,7 +461,7 @@ def test_workers_with_different_models_surface_server_error(tmp_path):
 def test_sigterm_to_launcher_stops_everything(tmp_path):
     argv, pid_file = launcher(["-n", "1", "-s", "1", PY, DIGITS, "--kvstore", KV,
                                "--steps", "0", "--out-dir", str(tmp_path)], tmp_path, 60)
-    job = subprocess.Popen(argv, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
+    job = subprocess.Popen(argv, cwd=str(tmp_path), env=clean_env(), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: (tmp_path / "progress-rank0").exists(), 40, "the worker to train")

@@ -26,7 +26,7 @@ import mxnet as mx  # imported before .pipeline: its atexit hook must run after 
 import numpy as np
 
 from . import recfile
-from .batches import prepare
+from .batches import HostBufferPool, prepare
 from .pipeline import BATCH, END, ERROR, Prefetcher
 
 LAST_BATCH = ("keep", "drop", "pad")
@@ -77,6 +77,7 @@ class _RecordSource:
         self._bs, self._nb, self._last = batch_size, num_batches, last_batch
         self._ctxs, self._dtype, self._channels = ctxs, dtype, channels
         self._part_size = part[1] - part[0]
+        self._pool = HostBufferPool()
         try:
             self._iter = mx.io.ImageRecordIter(**iter_kwargs)  # decodes the first batch now
         except mx.base.MXNetError as err:
@@ -93,7 +94,7 @@ class _RecordSource:
                 raise self._diagnose(err, i) from err
             real = min(self._bs, self._part_size - i * self._bs)
             yield prepare(b.data[0], b.label[0], real, self._bs, self._last, self._ctxs,
-                          self._dtype)
+                          self._dtype, self._pool)
 
     def reset(self):
         self._iter.reset()

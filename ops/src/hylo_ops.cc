@@ -15,7 +15,7 @@
 // The *_add operators are called with out=acc: MXNet then hands the same
 // buffer as input and output, so only the touched data is read and written.
 // Python (mxhylo/ops/__init__.py) validates arguments first and handles the
-// zero-size cases MXNet 1.x cannot express as operator outputs (k = 0, n = 0).
+// zero-size results MXNet 1.x cannot express as operator outputs (k = 0).
 //
 // Semantics shared with the NDArray reference (mxhylo/ops/reference.py):
 // a = float(grad) + residual in float32; a non-finite `a` is never folded into
@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <locale>
 #include <sstream>
 #include <string>

@@ -1,0 +1,141 @@
+"""Compression operators: C++ vs NDArray reference vs memcpy, side by side.
+
+For each operator the figure is gradient GB/s: bytes of the dense float32
+gradient the call stands for (4 * size) divided by the median wall time of
+the call (mx.nd.waitall() before and after each timed call). memcpy GB/s is
+numpy's np.copyto of a float32 array of the same size, timed in the same run
+right before each operator (the machine may be shared, so each operator is
+compared with its own memcpy). The C++ path is timed for each --threads
+value (0 = OpenMP's default: OMP_NUM_THREADS, else MXNet's choice).
+
+Operators and data: gradient ~ N(0, scale) float32 of --size elements
+(default 16M), viewed as (size / F, F) filters for the kernel operators with
+F = --filter (default 2304 = 256x3x3). quantize_2bit's threshold is the mean
+|g| (as the kvstore's adaptive threshold); select_kernels keeps --topk of the
+filters. dequantize_2bit writes into a preallocated `out` (as the server does)
+and its accumulate variant adds into it; scatter_kernels accumulate adds k
+filters into a dense array, so its "gradient GB/s" counts the whole dense
+array it stands for, not the k rows it touches.
+"""
+import os
+import statistics
+import time
+
+import numpy as np
+
+
+def add_arguments(parser):
+    parser.add_argument("--size", type=int, default=16 * 2 ** 20,
+                        help="gradient elements (default 16M = 64 MB of float32)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed calls per figure (median)")
+    parser.add_argument("--ref-repeats", type=int, default=3,
+                        help="timed calls for the (slow) reference path")
+    parser.add_argument("--threads", default="1,2",
+                        help="comma-separated C++ thread counts; 0 = OpenMP default")
+    parser.add_argument("--scale", type=float, default=0.01, help="gradient std")
+    parser.add_argument("--filter", type=int, default=2304,
+                        help="F, elements per filter for the kernel operators")
+    parser.add_argument("--topk", type=float, default=0.1,
+                        help="fraction of filters select_kernels keeps")
+    parser.add_argument("--ops", default="all", help="comma-separated subset of operators")
+
+
+def _median_seconds(fn, repeats, sync):
+    fn()  # warm-up: allocations, first-call costs
+    sync()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _cases(mx, ops, ref, n, args):
+    """name -> (cpp callable, reference callable) on shared prepared inputs."""
+    rng = np.random.RandomState(0)
+    grad_np = (rng.randn(n) * args.scale).astype(np.float32)
+    grad = mx.nd.array(grad_np)
+    grad16 = grad.astype(np.float16)
+    residual = mx.nd.zeros((n,))
+    t = float(np.float32(np.abs(grad_np).mean()))
+    codes, _ = ops.quantize_2bit(grad, mx.nd.zeros((n,)), t)
+    out = mx.nd.zeros((n,))
+
+    rows = n // args.filter
+    shape = (rows, args.filter)
+    k = max(1, int(rows * args.topk))
+    grad2d = mx.nd.array(grad_np[:rows * args.filter].reshape(shape))
+    res2d = mx.nd.zeros(shape)
+    indices, values, _ = ops.select_kernels(grad2d, mx.nd.zeros(shape), k)
+    out2d = mx.nd.zeros(shape)
+
+    def pair(fn):
+        return (lambda: fn(ops), lambda: fn(ref))
+
+    return {
+        "quantize_2bit": pair(lambda m: m.quantize_2bit(grad, residual, t)),
+        "quantize_2bit_fp16": pair(lambda m: m.quantize_2bit(grad16, residual, t)),
+        "l1_stats": pair(lambda m: m.l1_stats(grad, residual)),
+        "dequantize_2bit": pair(lambda m: m.dequantize_2bit(codes, t, (n,), out=out)),
+        "dequantize_2bit_accumulate": pair(
+            lambda m: m.dequantize_2bit(codes, t, (n,), out=out, accumulate=True)),
+        "select_kernels": pair(lambda m: m.select_kernels(grad2d, res2d, k)),
+        "scatter_kernels_accumulate": pair(
+            lambda m: m.scatter_kernels(indices, values, shape, out=out2d, accumulate=True)),
+    }, {"threshold": t, "kernel_shape": list(shape), "k": k}
+
+
+def run(args):
+    import mxnet as mx
+    import mxhylo.ops as ops
+    from mxhylo.ops import reference as ref
+
+    backend = ops.backend()
+    if backend != "cpp":
+        raise SystemExit("the C++ operators are unavailable (backend %r): nothing to compare"
+                         % backend)
+    n = int(args.size)
+    threads = [int(x) for x in str(args.threads).split(",") if x.strip()]
+    cases, setup = _cases(mx, ops, ref, n, args)
+    wanted = list(cases) if args.ops == "all" else args.ops.split(",")
+    src = np.random.RandomState(1).randn(n).astype(np.float32)
+    dst = np.empty_like(src)
+    gbytes = 4.0 * n / 1e9
+
+    results = {}
+    for name in wanted:
+        cpp_fn, ref_fn = cases[name]
+        memcpy = gbytes / _median_seconds(lambda: np.copyto(dst, src), args.repeats, lambda: None)
+        cpp = {}
+        for nt in threads:
+            ops.set_num_threads(nt)
+            cpp[str(nt)] = gbytes / _median_seconds(cpp_fn, args.repeats, mx.nd.waitall)
+        ops.set_num_threads(0)
+        reference_gbps = gbytes / _median_seconds(ref_fn, args.ref_repeats, mx.nd.waitall)
+        best = max(cpp.values())
+        results[name] = {
+            "cpp_gbps": {k: round(v, 3) for k, v in cpp.items()},
+            "reference_gbps": round(reference_gbps, 4),
+            "memcpy_gbps": round(memcpy, 3),
+            "cpp_over_memcpy": round(best / memcpy, 3),
+            "cpp_over_reference": round(best / reference_gbps, 1),
+        }
+    quant = results.get("quantize_2bit")
+    return {
+        "suite": "ops",
+        "size": n,
+        "repeats": args.repeats,
+        "threads": threads,
+        "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
+        "cpu_count": os.cpu_count(),
+        "library": ops.build.load(),
+        "setup": setup,
+        "results": results,
+        "target_quantize_2bit": None if quant is None else {
+            "cpp_over_memcpy>=0.4": quant["cpp_over_memcpy"] >= 0.4,
+            "cpp_over_reference>=10": quant["cpp_over_reference"] >= 10,
+        },
+    }
