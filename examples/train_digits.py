@@ -51,7 +51,9 @@ def main():
     stats = result["stats"]
     if stats:
         report.update(bytes_pushed=stats["bytes_pushed"], dense_bytes=stats["dense_bytes"],
-                      ratio=stats["ratio"], compressed_layers_ratio=stats["compressed_layers_ratio"])
+                      ratio=stats["ratio"], compressed_layers_ratio=stats["compressed_layers_ratio"],
+                      messages_per_step=stats["messages_per_step"],
+                      bytes_per_server=stats["bytes_per_server"])
         log("worker %d: test accuracy %.4f; pushed %.2f MB where dense float32 pushes %.2f MB "
             "(%.1fx less; compressed layers %.1fx)" % (
                 result["rank"], result["accuracy"], stats["bytes_pushed"] / 1e6,

@@ -16,9 +16,11 @@ With list keys every key goes through step 2 before any key reaches step 3 and
 every aggregate is complete before step 4 writes, so outputs may alias inputs or
 each other.
 
-Gluon's Trainer passes parameter indices as keys. Policy regexes and error messages
-need parameter names, so for an int key the store looks up the calling Trainer's
-parameter list the first time it sees the key (falling back to str(key)).
+Gluon's Trainer passes parameter indices as keys, one key per call. Policy regexes and
+error messages need parameter names, so for an int key the store looks up the calling
+Trainer's parameter list the first time it sees the key (falling back to str(key));
+and when the Trainer's gradient loop asks for its first key, the store exchanges the
+whole step in one call (see _pushpull_trainer_step).
 """
 import os
 import sys
@@ -47,18 +49,17 @@ def _as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-def _name_from_calling_trainer(key):
-    """Parameter name of index ``key`` in the gluon.Trainer up the call stack, or None."""
+def _calling_trainer():
+    """(the gluon.Trainer up the call stack or None, whether it is in _allreduce_grads)."""
     frame = sys._getframe(1)
     for _ in range(12):
         if frame is None:
-            return None
+            break
         owner = frame.f_locals.get("self")
         if isinstance(owner, mx.gluon.Trainer):
-            params = getattr(owner, "_params", [])
-            return params[key].name if 0 <= key < len(params) else None
+            return owner, frame.f_code.co_name == "_allreduce_grads"
         frame = frame.f_back
-    return None
+    return None, False
 
 
 class Hylo(KVStoreBase):
@@ -86,6 +87,7 @@ class Hylo(KVStoreBase):
         self._layers = {}
         self._names = {}
         self._aggregates = {}
+        self._done_in_step = set()
         self.transport = self._make_transport(transport, transport_options)
         if self.transport.num_workers > 1 or transport == "ps":
             active.set_active(self)
@@ -157,6 +159,11 @@ class Hylo(KVStoreBase):
         key: int or str, or a list of them; value: NDArray or list of NDArrays (one per
         device) per key; out: the same shapes, or None to write the result into value.
         """
+        if isinstance(key, (int, np.integer)) and out is None:
+            trainer, allreducing = _calling_trainer()
+            if allreducing:
+                self._pushpull_trainer_step(trainer, int(key))
+                return
         keys, values, outs = self._normalize(key, value, out, "pushpull")
         layers = [self._layer(k, vals[0].shape) for k, vals in zip(keys, values)]
         pending = []
@@ -175,6 +182,25 @@ class Hylo(KVStoreBase):
                     agg.copyto(o)
                 else:
                     o[:] = agg.astype(o.dtype)
+
+    def _pushpull_trainer_step(self, trainer, key):
+        """Gluon's Trainer pushes one key per call; exchange its whole step at once.
+
+        When Trainer._allreduce_grads asks for its first key, backward() has finished
+        every gradient, so the store exchanges all of the step's keys in one call:
+        small layers travel fused in buckets and every push is on the wire before the
+        first pull. The Trainer's later calls in that loop find their key done.
+        """
+        if key in self._done_in_step:
+            self._done_in_step.discard(key)
+            return
+        keys = [i for i, p in enumerate(trainer._params)
+                if i >= key and p.grad_req != "null" and p.list_grad()[0].stype == "default"]
+        if key not in keys:
+            keys = [key]
+        grads = [trainer._params[i].list_grad() for i in keys]
+        self.pushpull(keys, grads)
+        self._done_in_step = set(keys) - {key}
 
     # -- hylo's own API ------------------------------------------------------------------
 
@@ -246,8 +272,9 @@ class Hylo(KVStoreBase):
     def _name(self, key):
         if isinstance(key, str):
             return key
-        name = _name_from_calling_trainer(int(key))
-        return name if name is not None else str(key)
+        trainer, _ = _calling_trainer()
+        params = getattr(trainer, "_params", [])
+        return params[key].name if 0 <= key < len(params) else str(key)
 
     @staticmethod
     def _reduce(vals):

@@ -6,6 +6,8 @@
   python -m mxhylo.im2rec --digits OUTDIR    # scikit-learn digits as a ready sample:
                                              # OUTDIR/digits_{train,val}.{lst,rec,idx}
 
+A .lst line is ``index<TAB>label[<TAB>label...]<TAB>path``; with several label
+columns every record carries all of them (read with label_width = their number).
 A folder writes PREFIX.lst and packs it (with --val-fraction F: PREFIX_train.* and
 PREFIX_val.*, a per-class split). Records are shuffled (--seed) unless --no-shuffle:
 ImageRecordIter reads, and cuts its num_parts shards, in file order. The output is

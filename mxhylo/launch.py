@@ -156,19 +156,23 @@ def read_hostfile(path):
 
 
 def remote_command(workdir, exports, command):
-    """The shell text one ssh session runs on the remote host.
+    """The shell text one ssh session runs on the remote host (POSIX sh: bash or dash).
 
-    ``cd DIR && export K=V ...; CMD`` as dmlc-tracker builds it, with CMD run as a
-    background job in its own process group (set -m) and a watcher that stops that
-    group when the session's stdin closes: the launcher closes it at teardown, and a
-    dropped connection closes it too. Without the watcher, killing the local ssh
-    would leave the remote command running (no tty, so no SIGHUP reaches it).
+    ``cd DIR && export K=V ... && { ...CMD... }`` as dmlc-tracker builds it
+    (``export ...; cd DIR; CMD``), but: a failed cd stops there; CMD runs as a
+    background job in its own process group (set -m) next to a watcher that stops
+    that group when the session's stdin closes. The launcher closes it at teardown,
+    and a dropped connection closes it too; without the watcher, killing the local
+    ssh would leave the remote command running (no tty, so no SIGHUP reaches it).
+    The shell's own job notices ("Terminated", ...) go to /dev/null (fd 4 keeps the
+    session's stderr for CMD). The session's exit code is CMD's.
     """
     assigns = " ".join("%s=%s" % (k, shlex.quote(str(v))) for k, v in exports.items())
-    return ("cd %s && export %s && { set -m; { %s ; } </dev/null & p=$!; "
+    return ("cd %s && export %s && { exec 4>&2 2>/dev/null; set -m; "
+            "{ %s ; } </dev/null 2>&4 4>&- & p=$!; "
             "{ cat >/dev/null; kill -TERM -- -$p; sleep 5; kill -KILL -- -$p; } "
-            ">/dev/null 2>&1 & w=$!; "
-            "wait $p; rc=$?; kill -- -$w 2>/dev/null; exit $rc; }"
+            ">/dev/null 4>&- & w=$!; "
+            "wait $p; rc=$?; kill -- -$w; exit $rc; }"
             % (shlex.quote(workdir), assigns, command_text(command)))
 
 

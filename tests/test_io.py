@@ -3,7 +3,6 @@
 Correctness only; speed is measured by ``python -m mxhylo.bench io``.
 """
 import collections
-import hashlib
 import os
 import subprocess
 import sys

@@ -115,7 +115,8 @@ class FakeStore(mx.kv.KVStoreBase):
             self.residuals[key] = acc - sent
         other = self.other.get(key)
         total = sent * self._num_workers if other is None else sent + other
-        for o in (out if isinstance(out, list) else values) if out is not None else values:
+        outs = values if out is None else (out if isinstance(out, list) else [out])
+        for o in outs:
             o[:] = total.astype(o.dtype)
 
     @staticmethod
@@ -196,8 +197,10 @@ def test_steps_match_numpy_lars(dtype):
             np.testing.assert_allclose(p.data().asnumpy().astype(np.float64), want,
                                        rtol=2e-3 if dtype == "float16" else 1e-5, atol=1e-6)
     assert np.array_equal(params[-1].data().asnumpy(), stat_before)
-    # the trust ratio really acted on the LARS layers: without it they would move by lr*g
     assert trainer.num_update == 3
+    # the comparison is sensitive to LARS: fc0's trust ratio at step 1 is far from 1
+    w0, g1 = toy_params(dtype)[0].data().asnumpy(), toy_grads(1)[0] / batch
+    assert eta * np.linalg.norm(w0) / (np.linalg.norm(g1) + wd * np.linalg.norm(w0)) < 0.5
 
 
 def test_exclude_patterns():
@@ -499,7 +502,7 @@ def test_bfloat16_amp_tracks_fp32():
 
     amp.init rewrites mx.nd globally, so the bf16 run is a subprocess."""
     from mxhylo.bench.lars import train_digits
-    args = dict(method="lars", batch_size=512, epochs=30, seed=0, lr=0.25,
+    args = dict(method="lars", batch_size=256, epochs=15, seed=0, lr=0.25,
                 warmup_epochs=5.0, eta=0.02)
     fp32 = train_digits(**args)["acc"]
     code = textwrap.dedent("""

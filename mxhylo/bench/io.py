@@ -31,8 +31,10 @@ import numpy as np
 def add_arguments(parser):
     parser.add_argument("--size", type=int, default=224, help="image side in pixels (default 224)")
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--epochs", type=int, default=3,
-                        help="epochs per wait measurement (1348 images each; default 3)")
+    parser.add_argument("--epochs", type=int, default=2,
+                        help="epochs per wait measurement (1348 images each; default 2)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="one-epoch throughput runs per row; the median is reported")
     parser.add_argument("--prefetch", type=int, default=4, help="RecordLoader queue depth")
     parser.add_argument("--threads", type=int, default=2,
                         help="preprocess_threads for the prefetching ImageRecordIter backend")
@@ -164,21 +166,30 @@ def run(args):
         index = probe.index
         probe.close()
 
-        # 1. decode throughput, nothing else in the loop
-        thr = {"cv2_single_process_loop": _cv2_loop(rec, index, bs, size)}
-        thr["imagerecorditer_cpu_backend"] = _iter_throughput(
-            _record_iter(rec, idx, bs, size, "cpu", args.threads), args.epochs, n_images)
-        thr["imagerecorditer_prefetch_backend"] = _iter_throughput(
-            _record_iter(rec, idx, bs, size, "gpu", args.threads), args.epochs, n_images)
-        for name, prefetch in (("recordloader_not_pipelined", 0),
-                               ("recordloader_pipelined", args.prefetch)):
+        # 1. decode throughput, nothing else in the loop; the median of --repeats epochs
+        #    (the machine is shared: single runs vary by 2x)
+        def rate_of_loader(prefetch):
             ld = loader(prefetch)
-            waits, total = _timed_loop((b for _ in range(args.epochs) for b in ld), "sleep", 0.0)
-            thr[name] = args.epochs * n_images / total
-            if prefetch:
-                thr["recordloader_producer_side"] = ld.stats()["decode_images_per_s"]
+            _, total = _timed_loop(ld, "sleep", 0.0)
             ld.close()
-        decode_ms = bs / thr["recordloader_not_pipelined"] * 1e3
+            return n_images / total
+
+        rows = {
+            "cv2_single_process_loop": lambda: _cv2_loop(rec, index, bs, size),
+            "imagerecorditer_cpu_backend": lambda: _iter_throughput(
+                _record_iter(rec, idx, bs, size, "cpu", args.threads), 1, n_images),
+            "imagerecorditer_prefetch_backend": lambda: _iter_throughput(
+                _record_iter(rec, idx, bs, size, "gpu", args.threads), 1, n_images),
+            "recordloader_not_pipelined": lambda: rate_of_loader(0),
+            "recordloader_pipelined": lambda: rate_of_loader(args.prefetch),
+        }
+        runs = {name: [] for name in rows}
+        for _ in range(args.repeats):  # interleaved, so load changes hit every row alike
+            for name, fn in rows.items():
+                runs[name].append(fn())
+        thr = {name: {"median": round(float(np.median(v)), 1),
+                      "runs": [round(x, 1) for x in v]} for name, v in runs.items()}
+        decode_ms = bs / thr["recordloader_not_pipelined"]["median"] * 1e3
 
         # 2. waiting with a simulated step
         factors = [args.compute_factor, 0.5] if args.compute_ms is None else [None]
@@ -193,7 +204,13 @@ def run(args):
                 waits, total = _timed_loop((b for _ in range(args.epochs) for b in ld),
                                            args.compute, step_s)
                 rows[name] = _wait_report(waits, total, step_s)
-                rows[name]["loader_stats_wait_fraction"] = round(ld.stats()["wait_fraction"], 4)
+                st = ld.stats()
+                rows[name]["loader_stats_wait_fraction"] = round(st["wait_fraction"], 4)
+                # decode speed during this very run: is compute really longer than decode?
+                this_ms = bs / st["decode_images_per_s"] * 1e3 if st["decode_images_per_s"] else 0
+                rows[name]["decode_ms_per_batch_this_run"] = round(this_ms, 2)
+                rows[name]["compute_over_decode_this_run"] = round(step_ms / this_ms, 2) \
+                    if this_ms else None
                 ld.close()
             it = _record_iter(rec, idx, bs, size, "gpu", args.threads)
             waits, total = _timed_loop(_epochs(it, args.epochs), args.compute, step_s)
@@ -207,14 +224,15 @@ def run(args):
             "suite": "io",
             "setup": {
                 "images_per_epoch": n_images, "image_size": size, "data_shape": list(shape),
-                "batch_size": bs, "epochs_per_measurement": args.epochs,
+                "batch_size": bs, "epochs_per_wait_measurement": args.epochs,
+                "throughput_repeats": args.repeats,
                 "encoding": "jpg q95 (grey digits, decoded as 3-channel)",
                 "prefetch": args.prefetch, "preprocess_threads": args.threads,
                 "cores": os.cpu_count(), "loadavg_1min_at_end": round(os.getloadavg()[0], 2),
                 "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
                 "im2rec_pack_s": round(pack_s, 2), "mxnet": mx.__version__,
             },
-            "decode_images_per_s": {k: round(v, 1) for k, v in thr.items()},
+            "decode_images_per_s": thr,
             "decode_ms_per_batch": round(decode_ms, 2),
             "simulated_step": {
                 "kind": args.compute,

@@ -27,9 +27,13 @@ import numpy as np
 
 from . import recfile
 from .batches import HostBufferPool, prepare
-from .pipeline import BATCH, END, ERROR, Prefetcher
+from .pipeline import BATCH, END, Prefetcher
 
 LAST_BATCH = ("keep", "drop", "pad")
+# ImageRecordIter options that change the image size before the crop: with any of them
+# the data_shape fit check of the first record is skipped (it cannot predict the size)
+_SIZE_OPTIONS = ("max_random_scale", "min_random_scale", "max_crop_size", "min_crop_size",
+                 "pad", "min_img_size", "max_img_size", "rotate", "max_rotate_angle")
 DTYPES = ("float32", "float16")
 
 
@@ -205,10 +209,9 @@ class RecordLoader:
             raise ValueError("last_batch='drop' and the part has only %d records < batch_size %d"
                              % (self.part_size, self.batch_size))
         self._warn_unequal_parts(n)
-        if label_width is None:
-            label_width = self._first_record_check(path_imgrec, resize, random_resized_crop)
-        else:
-            self._first_record_check(path_imgrec, resize, random_resized_crop)
+        free_size = random_resized_crop or any(k in iter_kwargs for k in _SIZE_OPTIONS)
+        first_width = self._first_record_check(path_imgrec, resize, free_size)
+        label_width = first_width if label_width is None else label_width
 
         if iter_ctx is None:
             iter_ctx = "gpu" if any(c.device_type == "gpu" for c in self.ctx) else "cpu"
@@ -268,7 +271,7 @@ class RecordLoader:
                           "epoch; stop each epoch after min(...) steps or change batch_size"
                           % (self.num_parts, n, sorted(counts)), stacklevel=3)
 
-    def _first_record_check(self, path_imgrec, resize, random_resized_crop):
+    def _first_record_check(self, path_imgrec, resize, free_size):
         """Decode the part's first record: label width, and whether data_shape fits it."""
         pos = self.part[0]
         key, offset = int(self.index.keys[pos]), int(self.index.offsets[pos])
@@ -282,9 +285,10 @@ class RecordLoader:
         h, w = img.shape[:2]
         if resize > 0:
             s = float(resize) / min(h, w)
-            h, w = int(h * s), int(w * s)  # ImageRecordIter truncates
+            h, w = int(round(h * s)), int(round(w * s))
         _, oh, ow = self.data_shape
-        if not random_resized_crop and (oh > h or ow > w):
+        # 1 pixel of slack: rounding of the resize is ImageRecordIter's business
+        if not free_size and (oh > h + 1 or ow > w + 1):
             raise ValueError(
                 "data_shape %s does not fit: record key %d is %dx%d (HxW)%s, smaller than %dx%d; "
                 "ImageRecordIter would stretch it. Use resize=%d or a smaller data_shape"
