@@ -11,6 +11,7 @@ of their own.
 """
 import dataclasses
 import os
+import zlib
 
 import mxnet as mx
 import numpy as np
@@ -50,6 +51,12 @@ class PSTransport:
         self._layouts = {}        # ps key -> (layer name, ChunkLayout), for the servers
         self._layouts_sent = False
         self._pull = {}           # ps key -> (row_sparse pull buffer, row ids)
+        # workers' model check: each worker writes a fingerprint of every new layer into
+        # its own slot of this key; the server's sum gathers them (see init)
+        self._check_key = self._key_on(0)
+        self._layouts[self._check_key] = (
+            "model check", ChunkLayout("dense", 0, self.num_workers, self.num_workers))
+        self.kv.init(self._check_key, mx.nd.zeros((self.num_workers,)))
         self._check_servers_decode()
 
     def _check_servers_decode(self):
@@ -99,10 +106,31 @@ class PSTransport:
         self._load[server] += nbytes
         return self._key_on(server), server
 
+    def _check_same_model(self, layer):
+        """Raise unless every worker has the same layer (shape, strategy) at this point.
+
+        Without this check a worker whose model differs dies in ps-lite with a size
+        check that does not say why.
+        """
+        text = repr((layer.plan.shape, layer.plan.strategy)).encode()
+        mine = float(zlib.crc32(text) % (1 << 23) + 1)      # exact in float32
+        slots = np.zeros(self.num_workers, np.float32)
+        slots[self.rank] = mine
+        got = mx.nd.zeros((self.num_workers,))
+        self.kv.push(self._check_key, mx.nd.array(slots))
+        self.kv.pull(self._check_key, out=got)
+        if not np.all(got.asnumpy() == mine):
+            raise RuntimeError(
+                "workers train different models: layer %r (key %r) is %s with policy %s "
+                "on worker %d, and differs on another worker" % (
+                    layer.plan.name, layer.key, layer.plan.shape, layer.plan.strategy,
+                    self.rank))
+
     def init(self, layer, value):
         """Create the layer's keys on the servers (every worker calls this, in order)."""
         if layer.key in self._bcast:
             return
+        self._check_same_model(layer)
         bkey, _ = self._place(4 * layer.plan.size)
         keys, values = [bkey], [value]
         chunks = []

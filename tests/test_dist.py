@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -62,15 +63,44 @@ def test_hylo_without_compression_equals_dist_sync(tmp_path, dist_sync):
     assert_same(params[0], dist_sync[0][0])
 
 
+def launch_keys_worker(tmp_path, mode, *launch_args, timeout=120):
+    out = str(tmp_path / (mode + "-{rank}.json"))
+    cmd = [sys.executable, "-m", "mxhylo.launch", "-n", "2", "-s", "2", "--timeout",
+           str(timeout)] + list(launch_args) + [
+           sys.executable, os.path.join(ROOT, "tests", "dist_keys_worker.py"), mode, out]
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 60)
+    return proc, out, time.time() - start
+
+
 def test_small_tensors_travel_fused(tmp_path):
     """21 small uncompressed tensors pushed in one call: one bucket message per step."""
-    out = str(tmp_path / "fusion-{rank}.json")
-    cmd = [sys.executable, "-m", "mxhylo.launch", "-n", "2", "-s", "2", "--timeout", "120",
-           sys.executable, os.path.join(ROOT, "tests", "dist_fusion_worker.py"), out]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    proc, out, _ = launch_keys_worker(tmp_path, "fusion")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in range(2):
         report = json.load(open(out.format(rank=rank)))
         assert report["ok"]
         assert report["messages_per_step"] == 1
         assert sum(report["bytes_per_server"].values()) > 0
+
+
+def test_workers_with_different_models_end_the_job(tmp_path):
+    proc, _, seconds = launch_keys_worker(tmp_path, "mismatch")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "workers train different models" in text, text[-3000:]
+    assert "(64, 32, 3, 3)" in text or "(32, 32, 3, 3)" in text
+    assert seconds < 100
+
+
+def test_server_that_cannot_import_mxhylo_ends_the_job(tmp_path):
+    """Servers see a broken mxhylo first on their path: the workers' probe catches it."""
+    fake = tmp_path / "broken" / "mxhylo"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('simulated broken install')\n")
+    proc, _, seconds = launch_keys_worker(
+        tmp_path, "fusion", "--env-server", "PYTHONPATH:%s" % fake.parent)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "do not run hylo's decoder" in text, text[-3000:]
+    assert seconds < 100

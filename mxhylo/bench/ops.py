@@ -3,9 +3,9 @@
 For each operator the figure is gradient GB/s: bytes of the dense float32
 gradient the call stands for (4 * size) divided by the median wall time of
 the call (mx.nd.waitall() before and after each timed call). memcpy GB/s is
-numpy's np.copyto of a float32 array of the same size, timed in the same run
-right before each operator (the machine may be shared, so each operator is
-compared with its own memcpy). The C++ path is timed for each --threads
+numpy's np.copyto of a float32 array of the same size, timed right before
+each timed C++ call (the machine may be shared: interleaving makes both see
+the same load, so the ratio stays meaningful). The C++ path is timed for each --threads
 value (0 = OpenMP's default: OMP_NUM_THREADS, else MXNet's choice).
 
 Operators and data: gradient ~ N(0, scale) float32 of --size elements
@@ -40,17 +40,31 @@ def add_arguments(parser):
     parser.add_argument("--ops", default="all", help="comma-separated subset of operators")
 
 
-def _median_seconds(fn, repeats, sync):
+def _timed(fn, sync):
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def _median_seconds(fn, repeats, sync, interleave=None):
+    """Median seconds of fn() over `repeats` calls after one warm-up call.
+
+    With `interleave`, that function is timed right before each call too and
+    its median returned as well: on a shared machine both then see the same
+    load, which keeps their ratio meaningful.
+    """
     fn()  # warm-up: allocations, first-call costs
     sync()
-    times = []
+    times, other = [], []
     for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        if interleave is not None:
+            other.append(_timed(interleave, lambda: None))
+        times.append(_timed(fn, sync))
+    if interleave is None:
+        return statistics.median(times)
+    return statistics.median(times), statistics.median(other)
 
 
 def _cases(mx, ops, ref, n, args):
@@ -108,12 +122,15 @@ def run(args):
     results = {}
     for name in wanted:
         cpp_fn, ref_fn = cases[name]
-        memcpy = gbytes / _median_seconds(lambda: np.copyto(dst, src), args.repeats, lambda: None)
-        cpp = {}
+        cpp, memcpys = {}, []
         for nt in threads:
             ops.set_num_threads(nt)
-            cpp[str(nt)] = gbytes / _median_seconds(cpp_fn, args.repeats, mx.nd.waitall)
+            seconds, memcpy_seconds = _median_seconds(
+                cpp_fn, args.repeats, mx.nd.waitall, interleave=lambda: np.copyto(dst, src))
+            cpp[str(nt)] = gbytes / seconds
+            memcpys.append(gbytes / memcpy_seconds)
         ops.set_num_threads(0)
+        memcpy = statistics.median(memcpys)
         reference_gbps = gbytes / _median_seconds(ref_fn, args.ref_repeats, mx.nd.waitall)
         best = max(cpp.values())
         results[name] = {

@@ -1,4 +1,9 @@
-"""Worker of test_dist.py's fusion test: small keys in one pushpull call share a bucket."""
+"""Worker of test_dist.py: exchanges a fixed set of keys with the hylo store.
+
+    python tests/dist_keys_worker.py fusion OUT      21 small tensors in one pushpull call
+    python tests/dist_keys_worker.py mismatch OUT    rank 1 has a differently shaped model
+OUT may contain {rank}; the worker writes its results there as JSON.
+"""
 import json
 import sys
 
@@ -7,8 +12,11 @@ import numpy as np
 
 import mxhylo
 
+mode, out = sys.argv[1], sys.argv[2]
 kv = mxhylo.create("dist_sync_hylo")
 shapes = [(100,), (3, 7), (64,), (1,), (5, 5, 2)] * 4 + [(40, 40)]   # all below 8192
+if mode == "mismatch":
+    shapes = [(64, 32, 3, 3) if kv.rank == 0 else (32, 32, 3, 3)]
 keys = list(range(len(shapes)))
 params = [mx.nd.zeros(s) for s in shapes]
 kv.broadcast(keys, params, out=params)
@@ -21,4 +29,4 @@ for step in range(3):
 stats = kv.stats()
 json.dump({"ok": bool(ok), "messages_per_step": stats["messages_per_step"],
            "bytes_per_server": stats["bytes_per_server"], "rank": kv.rank},
-          open(sys.argv[1].format(rank=kv.rank), "w"))
+          open(out.format(rank=kv.rank), "w"))
