@@ -6,7 +6,7 @@ the residual in and leaves what was not sent in it; ``decode`` writes or adds a
 payload into a dense float32 array, so a receiver aggregates any number of payloads
 (each worker's own threshold or kernel choice) by decoding with accumulate=True.
 
-The registry ``COMPRESSORS`` maps the policy's strategy names to instances.
+make_compressors() builds the registry: the policy's strategy names -> instances.
 """
 from dataclasses import dataclass
 from typing import Tuple

@@ -73,6 +73,8 @@ class Hylo(KVStoreBase):
       threshold_scale: the 2-bit threshold is this times mean |gradient + residual|.
       transport: 'auto' (the parameter server when this process is an MXNet worker,
         DMLC_ROLE=worker; in-process otherwise), 'local' or 'ps'.
+      chunk_elements, bucket_bytes: parameter-server transport options (largest piece
+        of a layer in one key; size of the buckets small layers are fused into).
     """
     kv_type = "hylo"
 
@@ -85,7 +87,6 @@ class Hylo(KVStoreBase):
         self.memory = ResidualMemory()
         self.traffic = TrafficStats()
         self._layers = {}
-        self._names = {}
         self._aggregates = {}
         self._done_in_step = set()
         self.transport = self._make_transport(transport, transport_options)
@@ -102,7 +103,7 @@ class Hylo(KVStoreBase):
             return LocalTransport()
         if transport == "ps":
             from .transport_ps import PSTransport
-            return PSTransport(self.policy, **options)
+            return PSTransport(**options)
         raise ValueError("transport must be 'auto', 'local' or 'ps', got %r" % (transport,))
 
     # -- KVStoreBase contract ------------------------------------------------------------

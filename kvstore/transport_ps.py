@@ -31,7 +31,7 @@ class PSTransport:
       buckets of up to this many bytes (float32).
     """
 
-    def __init__(self, policy, chunk_elements=DEFAULT_CHUNK_ELEMENTS,
+    def __init__(self, chunk_elements=DEFAULT_CHUNK_ELEMENTS,
                  bucket_bytes=DEFAULT_BUCKET_BYTES):
         if os.environ.get("DMLC_ROLE") != "worker":
             raise RuntimeError("the hylo parameter-server transport runs in MXNet worker "

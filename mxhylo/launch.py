@@ -156,10 +156,11 @@ def read_hostfile(path):
 
 
 def remote_command(workdir, exports, command):
-    """The shell text one ssh session runs on the remote host (POSIX sh: bash or dash).
+    """The shell text one ssh session runs on the remote host.
 
-    ``cd DIR && export K=V ... && { ...CMD... }`` as dmlc-tracker builds it
-    (``export ...; cd DIR; CMD``), but: a failed cd stops there; CMD runs as a
+    ``exec bash -c 'cd DIR && export K=V ... && { ...CMD... }'``: dmlc-tracker sends
+    ``export ...; cd DIR; CMD`` to whatever the login shell is; we pin bash (job
+    control and kill semantics differ in dash) and a failed cd stops there. CMD runs as a
     background job in its own process group (set -m) next to a watcher that stops
     that group when the session's stdin closes. The launcher closes it at teardown,
     and a dropped connection closes it too; without the watcher, killing the local
@@ -168,12 +169,13 @@ def remote_command(workdir, exports, command):
     session's stderr for CMD). The session's exit code is CMD's.
     """
     assigns = " ".join("%s=%s" % (k, shlex.quote(str(v))) for k, v in exports.items())
-    return ("cd %s && export %s && { exec 4>&2 2>/dev/null; set -m; "
-            "{ %s ; } </dev/null 2>&4 4>&- & p=$!; "
-            "{ cat >/dev/null; kill -TERM -- -$p; sleep 5; kill -KILL -- -$p; } "
-            ">/dev/null 4>&- & w=$!; "
-            "wait $p; rc=$?; kill -- -$w; exit $rc; }"
-            % (shlex.quote(workdir), assigns, command_text(command)))
+    inner = ("cd %s && export %s && { exec 4>&2 2>/dev/null; set -m; "
+             "{ %s ; } </dev/null 2>&4 4>&- & p=$!; "
+             "{ cat >/dev/null; kill -TERM -- -$p; sleep 5; kill -KILL -- -$p; } "
+             ">/dev/null 4>&- & w=$!; "
+             "wait $p; rc=$?; kill -- -$w; exit $rc; }"
+             % (shlex.quote(workdir), assigns, command_text(command)))
+    return "exec bash -c " + shlex.quote(inner)
 
 
 def ssh_argv(host, port, remote, ssh_program="ssh"):
@@ -265,10 +267,9 @@ class Job:
             self.err.flush()
 
     def _on_signal(self, signum, _frame):
-        if self.stop_signal is not None and signum == signal.SIGINT:
-            # A second Ctrl-C: skip the grace period.
-            self.grace = 0.0
-        self.stop_signal = signum
+        # Only noted here; the main loop stops the job (teardown ignores repeats).
+        if self.stop_signal is None:
+            self.stop_signal = signum
 
     def _write_pid_file(self):
         if not self.pid_file:
@@ -302,17 +303,17 @@ class Job:
         if self.stop_signal is not None:
             name = signal.Signals(self.stop_signal).name
             return 128 + self.stop_signal, "the launcher received %s" % name, None
-        for c in workers:
-            if c.returncode not in (None, 0):
-                return EXIT_FAILED, "%s %s" % (c.describe(), procs.describe_returncode(
-                    c.returncode)), c
         workers_running = any(c.returncode is None for c in workers)
+        failed = [c for c in self.children if c.returncode not in (None, 0)]
+        if failed:
+            # The first to go is the likely cause (e.g. a server's abort, then a worker's).
+            c = min(failed, key=lambda c: c.exited_at)
+            when = "" if c.role == "worker" else (
+                " while workers were still running" if workers_running
+                else " after the workers finished")
+            return EXIT_FAILED, "%s %s%s" % (
+                c.describe(), procs.describe_returncode(c.returncode), when), c
         for c in others:
-            if c.returncode not in (None, 0):
-                when = "while workers were still running" if workers_running else \
-                    "after the workers finished"
-                return EXIT_FAILED, "%s %s %s" % (
-                    c.describe(), procs.describe_returncode(c.returncode), when), c
             # Servers and the scheduler exit 0 once every worker has reached ps-lite's
             # finalize, which can be a moment before the worker processes are gone:
             # only a clean exit that long precedes the workers' is an error.

@@ -296,7 +296,7 @@ def test_end_to_end_tiny(tmp_path):
     comm.add_arguments(parser)
     args = parser.parse_args([
         "-n", "2", "-s", "1", "--rate", "100mbit", "--models", "cifar_resnet20_v1",
-        "--image-size", "32", "--modes", "dense_pushpull,mxnet_2bit", "--steps", "2",
+        "--image-size", "32", "--modes", "dense_pushpull,mxnet_2bit", "--steps", "3",
         "--timeout", "150", "--json", str(tmp_path / "comm.json")])
     report = comm.run(args)
     assert netns.own_namespaces("mxhcomm%d-" % os.getpid()) == []

@@ -7,6 +7,7 @@ those pids if one is not.
 """
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -208,9 +209,12 @@ def test_ssh_commands_match_mxnet_launcher(monkeypatch, tmp_path):
         argv = c.argv
         assert argv[:3] == ["ssh", "-o", "StrictHostKeyChecking=no"]
         _, _, _, _, sport, host, remote = argv
-        assert remote.startswith("cd %s && export " % os.getcwd())
-        assert "python train.py" in remote
-        env = dict(re.findall(r"(\w+)=(\S+)", remote.split(" && ")[1][len("export "):]))
+        assert remote.startswith("exec bash -c ")
+        inner = shlex.split(remote)[3]
+        assert inner.startswith("cd %s && export " % shlex.quote(os.getcwd()))
+        assert "{ python train.py ; }" in inner
+        env = dict(tuple(a.split("=", 1)) for a in
+                   shlex.split(inner.split(" && ")[1])[1:])
         assert env.pop("PYTHONUNBUFFERED") == os.environ.get("PYTHONUNBUFFERED", "1")
         ours.append((host, sport, env))
     # dmlc starts its threads in order servers then workers; compare as sets per role.
@@ -225,34 +229,25 @@ def test_ssh_remote_command_runs_and_stops_on_stdin_close(tmp_path):
     exports, runs CMD; closing its stdin (what teardown does) stops CMD's group."""
     marker = tmp_path / "env.txt"
     remote = launch.remote_command(str(tmp_path), {"DMLC_ROLE": "worker", "X": "a b'c"},
-                                   ["bash", "-c", 'echo "$PWD|$DMLC_ROLE|$X" > env.txt; '
-                                                  'sleep 300'])
+                                   ["bash", "-c", 'echo "$$|$PWD|$DMLC_ROLE|$X" > env.txt; '
+                                                  'exec sleep 300'])
     p = subprocess.Popen(["bash", "-c", remote], stdin=subprocess.PIPE,
                          start_new_session=True)
     try:
-        wait_for(marker.exists, 10, "the remote command to start")
-        time.sleep(0.2)
-        assert marker.read_text().strip() == "%s|worker|a b'c" % tmp_path
+        wait_for(lambda: marker.exists() and marker.read_text().endswith("\n"), 10,
+                 "the remote command to start")
+        cmd_pid, rest = marker.read_text().strip().split("|", 1)
+        assert rest == "%s|worker|a b'c" % tmp_path
+        assert procs.pid_alive(int(cmd_pid))
         p.stdin.close()
         p.wait(timeout=10)
-        assert p.returncode != 0          # CMD was terminated, and the shell says so
+        assert p.returncode == 128 + signal.SIGTERM      # CMD's status, passed on
+        wait_for(lambda: not procs.pid_alive(int(cmd_pid)), 5, "CMD to stop")
         assert not procs.group_members(p.pid)
-        wait_for(lambda: not any("sleep 300" in open("/proc/%s/cmdline" % d).read()
-                                 .replace("\0", " ")
-                                 for d in os.listdir("/proc") if d.isdigit()
-                                 and _ppid_chain_has(int(d), p.pid)), 5, "sleep to end")
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-
-
-def _ppid_chain_has(pid, ancestor):
-    try:
-        st = open("/proc/%d/stat" % pid).read()
-    except OSError:
-        return False
-    return int(st[st.rindex(")") + 2:].split()[1]) == ancestor
 
 
 def test_help_documents_itself():

@@ -84,6 +84,25 @@ def impl(request):
     return reference
 
 
+@pytest.fixture(params=["cpp", "cpp_portable", "reference"])
+def quant_impl(request):
+    """Like impl, plus the C++ library with its AVX-512 kernels switched off."""
+    if request.param == "reference":
+        yield reference
+        return
+    if FORCED_REFERENCE:
+        pytest.skip("MXHYLO_OPS=reference")
+    assert ops.backend() == "cpp", "the C++ operator library did not build/load"
+    if request.param == "cpp":
+        yield ops
+        return
+    build.set_simd(False)
+    try:
+        yield ops
+    finally:
+        build.set_simd(True)
+
+
 def nd(x):
     return mx.nd.array(x, dtype=x.dtype)
 
@@ -106,12 +125,12 @@ SHAPES = [(1,), (16,), (17,), (33,), (1000,), (5, 3, 3, 3), (1, 1, 1, 1), (7, 1)
 # ------------------------------------------------------------- quantize_2bit
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_quantize_matches_numpy(impl, shape, dtype):
+def test_quantize_matches_numpy(quant_impl, shape, dtype):
     g, r = data(shape, seed=len(shape) * 100 + shape[0], dtype=dtype)
     t = 0.7
     want_codes, want_r, want_stats = np_quantize(g, r, t)
     res = nd(r)
-    codes, stats = impl.quantize_2bit(nd(g), res, t)
+    codes, stats = quant_impl.quantize_2bit(nd(g), res, t)
     assert codes.dtype == np.int32 and codes.shape == want_codes.shape
     assert stats.dtype == np.float32 and stats.shape == (2,)
     np.testing.assert_array_equal(codes.asnumpy(), want_codes)
@@ -119,28 +138,28 @@ def test_quantize_matches_numpy(impl, shape, dtype):
     np.testing.assert_allclose(stats.asnumpy(), want_stats, rtol=1e-5)
 
 
-def test_quantize_zeros_and_threshold_rounding(impl):
+def test_quantize_zeros_and_threshold_rounding(quant_impl):
     g = np.zeros(40, F32)
     res = nd(np.zeros(40, F32))
-    codes, stats = impl.quantize_2bit(nd(g), res, 1.0)
+    codes, stats = quant_impl.quantize_2bit(nd(g), res, 1.0)
     assert not codes.asnumpy().any() and not res.asnumpy().any()
     np.testing.assert_array_equal(stats.asnumpy(), [0, 0])
     # 0.1 is not a float32: both sides must use float32(0.1)
     g = np.full(3, F32(0.1), F32)
     res = nd(np.zeros(3, F32))
-    codes, _ = impl.quantize_2bit(nd(g), res, 0.1)
+    codes, _ = quant_impl.quantize_2bit(nd(g), res, 0.1)
     np.testing.assert_array_equal(codes.asnumpy(), np_quantize(g, np.zeros(3, F32), 0.1)[0])
     assert not res.asnumpy().any()  # exactly +t sent, nothing left
 
 
-def test_quantize_nonfinite(impl):
+def test_quantize_nonfinite(quant_impl):
     n = 50
     g, r = data((n,), seed=3)
     g[[0, 15, 16, 49]] = [np.nan, np.inf, -np.inf, np.nan]
     g[20], r[20] = F32(3e38), F32(3e38)  # finite inputs, a overflows to +inf
     want_codes, want_r, want_stats = np_quantize(g, r, 0.5)
     res = nd(r)
-    codes, stats = impl.quantize_2bit(nd(g), res, 0.5)
+    codes, stats = quant_impl.quantize_2bit(nd(g), res, 0.5)
     np.testing.assert_array_equal(codes.asnumpy(), want_codes)
     got_r = res.asnumpy()
     np.testing.assert_array_equal(bits(got_r), bits(want_r))
@@ -152,25 +171,25 @@ def test_quantize_nonfinite(impl):
     np.testing.assert_allclose(stats.asnumpy(), want_stats, rtol=1e-5)
 
 
-def test_quantize_large_values(impl):
+def test_quantize_large_values(quant_impl):
     g = np.array([1e30, -1e30, 1e-30, 1.5e38, -1.5e38, 1.0], F32)  # sum |a| < float32 max
     r = np.array([1e30, 0, 0, 0, 0, -1.0], F32)
     want_codes, want_r, want_stats = np_quantize(g, r, 1e29)
     res = nd(r)
-    codes, stats = impl.quantize_2bit(nd(g), res, 1e29)
+    codes, stats = quant_impl.quantize_2bit(nd(g), res, 1e29)
     np.testing.assert_array_equal(codes.asnumpy(), want_codes)
     np.testing.assert_array_equal(bits(res.asnumpy()), bits(want_r))
     np.testing.assert_allclose(stats.asnumpy(), want_stats, rtol=1e-5)
 
 
-def test_quantize_roundtrip(impl):
+def test_quantize_roundtrip(quant_impl):
     shape = (37, 29)
     g, r = data(shape, seed=11)
     t = F32(0.6)
     a = g + r
     res = nd(r)
-    codes, _ = impl.quantize_2bit(nd(g), res, t)
-    decoded = impl.dequantize_2bit(codes, t, shape).asnumpy()
+    codes, _ = quant_impl.quantize_2bit(nd(g), res, t)
+    decoded = quant_impl.dequantize_2bit(codes, t, shape).asnumpy()
     new_r = res.asnumpy()
     # the residual is exactly what was not sent, in float32 arithmetic ...
     np.testing.assert_array_equal(bits(new_r), bits(a - decoded))
@@ -181,11 +200,11 @@ def test_quantize_roundtrip(impl):
     np.testing.assert_array_max_ulp(decoded + new_r, a, maxulp=1)
 
 
-def test_l1_stats(impl):
+def test_l1_stats(quant_impl):
     g, r = data((5, 3, 3, 3), seed=5, dtype=np.float16)
     g[0, 0, 0, 0] = np.nan
     gnd, rnd = nd(g), nd(r)
-    stats = impl.l1_stats(gnd, rnd)
+    stats = quant_impl.l1_stats(gnd, rnd)
     np.testing.assert_allclose(stats.asnumpy(), np_quantize(g, r, 1.0)[2], rtol=1e-5)
     np.testing.assert_array_equal(bits(rnd.asnumpy()), bits(r))  # no writes
     np.testing.assert_array_equal(gnd.asnumpy(), g)
@@ -434,11 +453,13 @@ def test_cache_key_tracks_flags_and_compiler():
     assert key != build.cache_key(["clang++"], build.BASE_FLAGS)
 
 
-def test_multithreaded_kernels_match_numpy():
+@pytest.mark.parametrize("simd", [True, False])
+def test_multithreaded_kernels_match_numpy(simd):
     """Arrays large enough for the C++ kernels to split work over threads."""
     if FORCED_REFERENCE:
         pytest.skip("MXHYLO_OPS=reference")
     assert ops.backend() == "cpp"
+    build.set_simd(simd)
     shape = (600, 8, 8, 8)  # 307200 elements: several 64K-element blocks
     g, r = data(shape, seed=42, scale=0.01)
     g[1, 0, 0, 0] = np.nan
@@ -469,3 +490,4 @@ def test_multithreaded_kernels_match_numpy():
         np.testing.assert_array_equal(out.asnumpy(), want)
     finally:
         ops.set_num_threads(0)
+        build.set_simd(True)

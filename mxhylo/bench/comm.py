@@ -63,10 +63,11 @@ def add_arguments(parser):
                              "with a note while mxhylo.kvstore.transport_ps is missing)"
                              % ", ".join(ALL_MODES))
     parser.add_argument("--steps", type=int, default=3,
-                        help="timed exchanges per model and mode; the median is reported "
-                             "(default 3)")
+                        help="exchanges per model and mode, the warm-up included; the median "
+                             "of the others is reported (default 3)")
     parser.add_argument("--warmup", type=int, default=1,
-                        help="untimed exchanges before them (default 1)")
+                        help="how many of the first exchanges are warm-up, not reported "
+                             "(default 1)")
     parser.add_argument("--grad-scale", type=float, default=0.01,
                         help="gradients are N(0, this) (default 0.01)")
     parser.add_argument("--image-size", type=int, default=224,
@@ -260,6 +261,9 @@ def summarise_job(worker_results, before, after, steps):
            "warmup_seconds": [max(r["warmup"][i]["seconds"] for r in worker_results)
                               for i in range(min(len(r["warmup"]) for r in worker_results))],
            "init_seconds": max(r["init_s"] for r in worker_results)}
+    if all("timeline" in r for r in worker_results):
+        res["worker_timeline_max_s"] = {k: max(r["timeline"][k] for r in worker_results)
+                                        for k in worker_results[0]["timeline"]}
     if before and after:
         res["wire"] = wire_summary(before, after, steps)
     if any(r.get("stats") is not None for r in worker_results):
@@ -550,6 +554,9 @@ def run(args):
         hylo_options = json.loads(args.hylo_options)
     except ValueError as err:
         raise SystemExit("mxhylo.bench comm: %s" % err)
+    timed_steps = args.steps - args.warmup
+    if args.warmup < 0 or timed_steps < 1:
+        raise SystemExit("mxhylo.bench comm: --steps must exceed --warmup (%d)" % args.warmup)
     notes = []
     skipped = {}
     if "hylo" in modes and not hylo_available():
@@ -577,7 +584,7 @@ def run(args):
         "config": {"workers": W, "servers": S, "rate": args.rate, "rate_bps": rate_bps,
                    "delay": args.delay, "mtu": args.mtu,
                    "tbf_burst_bytes": netns.tbf_burst_bytes(rate_bps),
-                   "steps": args.steps, "warmup": args.warmup,
+                   "steps": args.steps, "warmup": args.warmup, "timed_steps": timed_steps,
                    "gradients": "synthetic N(0, %g)" % args.grad_scale,
                    "grad_scale": args.grad_scale, "image_size": args.image_size,
                    "models": models, "modes": modes, "hylo_options": hylo_options,
@@ -589,7 +596,7 @@ def run(args):
             % args.grad_scale,
             "seconds: median over %d timed exchanges (after %d warm-up) of the slowest "
             "worker's time; workers meet at a file barrier before each exchange"
-            % (args.steps, args.warmup),
+            % (timed_steps, args.warmup),
             "wire bytes: interface counters (L2 frames incl. TCP/IP/Ethernet headers) "
             "read before/after the timed exchanges; push = workers' tx, pull = workers' rx",
             "dense-pull floor = dense model bytes * W / S / rate",
@@ -604,7 +611,7 @@ def run(args):
 
     topo = netns.Topology(role_names(W, S), rate_bps, delay_s, mtu=args.mtu)
     tmp = tempfile.mkdtemp(prefix="mxhylo-comm-")
-    cfg = {"num_workers": W, "num_servers": S, "warmup": args.warmup, "steps": args.steps,
+    cfg = {"num_workers": W, "num_servers": S, "warmup": args.warmup, "steps": timed_steps,
            "grad_scale": args.grad_scale, "seed": args.seed, "hylo_options": hylo_options}
 
     def on_signal(signum, frame):
@@ -622,7 +629,7 @@ def run(args):
                 if mode in skipped:
                     per_mode[mode] = {"status": skipped[mode]}
                     continue
-                timeout = args.timeout or job_timeout(summaries[m], W, args.steps,
+                timeout = args.timeout or job_timeout(summaries[m], W, timed_steps,
                                                       args.warmup)
                 job_dir = os.path.join(tmp, "%s-%s" % (m, mode))
                 os.makedirs(job_dir)
@@ -631,7 +638,8 @@ def run(args):
                 try:
                     results, before, after = run_job(topo, job_dir, mode, shapes[m], cfg,
                                                      port, timeout)
-                    per_mode[mode] = summarise_job(results, before, after, args.steps)
+                    per_mode[mode] = summarise_job(results, before, after, timed_steps)
+                    per_mode[mode]["job_seconds"] = time.monotonic() - t0
                     _log("  %.3f s per exchange (job %.0f s)" % (per_mode[mode]["seconds"],
                                                                  time.monotonic() - t0))
                 except JobError as err:

@@ -45,7 +45,8 @@ def add_arguments(parser):
 
 
 def train_digits(method, batch_size, epochs, seed, lr, warmup_epochs=0.0, wd=1e-4, eta=0.001):
-    """Train digits_net once; return {'acc': test accuracy in [0, 1], 'seconds': wall time}.
+    """Train digits_net once; return {'acc': test accuracy in [0, 1], 'diverged': the
+    outputs hold NaN/Inf (the accuracy is then chance level), 'seconds': wall time}.
 
     ``method``: 'sgd' (gluon.Trainer momentum SGD) or 'lars' (LARSTrainer, fp32,
     no loss scaling). Both use poly decay to zero after ``warmup_epochs`` of linear
@@ -90,7 +91,8 @@ def train_digits(method, batch_size, epochs, seed, lr, warmup_epochs=0.0, wd=1e-
             trainer.step(len(idx))
     out = net(mx.nd.array(x_te)).astype("float32").asnumpy()
     acc = float((out.argmax(axis=1) == y_te).mean())
-    return {"acc": acc, "seconds": round(time.time() - start, 2)}
+    return {"acc": acc, "diverged": bool(not np.isfinite(out).all()),
+            "seconds": round(time.time() - start, 2)}
 
 
 def run(args):
@@ -116,6 +118,7 @@ def run(args):
         accs = [r["acc"] for r in runs]
         results[name] = {"batch": batch, "lr": lr, "warmup_epochs": warm,
                          "acc_mean": float(np.mean(accs)), "acc_per_seed": accs,
+                         "diverged_runs": sum(r["diverged"] for r in runs),
                          "seconds": round(sum(r["seconds"] for r in runs), 1)}
     report = {"suite": "lars", "dtype": args.dtype, "epochs": args.epochs,
               "seeds": args.seeds, "eta": args.eta, "wd": args.wd, "results": results}

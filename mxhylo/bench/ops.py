@@ -5,8 +5,11 @@ gradient the call stands for (4 * size) divided by the median wall time of
 the call (mx.nd.waitall() before and after each timed call). memcpy GB/s is
 numpy's np.copyto of a float32 array of the same size, timed right before
 each timed C++ call (the machine may be shared: interleaving makes both see
-the same load, so the ratio stays meaningful). The C++ path is timed for each --threads
-value (0 = OpenMP's default: OMP_NUM_THREADS, else MXNet's choice).
+the same load, so the ratio stays meaningful). The C++ path is timed for
+each --threads value (0 = OpenMP's default: OMP_NUM_THREADS, else MXNet's
+choice), and where the library has AVX-512 kernels (quantize, l1_stats) also
+with them switched off (cpp_portable_gbps: the auto-vectorised loops).
+The ratios use the best C++ figure.
 
 Operators and data: gradient ~ N(0, scale) float32 of --size elements
 (default 16M), viewed as (size / F, F) filters for the kernel operators with
@@ -22,6 +25,10 @@ import statistics
 import time
 
 import numpy as np
+
+
+# Operators with an AVX-512 kernel beside the portable loop: both are timed.
+SIMD_OPS = ("quantize_2bit", "quantize_2bit_fp16", "l1_stats")
 
 
 def add_arguments(parser):
@@ -115,26 +122,38 @@ def run(args):
     threads = [int(x) for x in str(args.threads).split(",") if x.strip()]
     cases, setup = _cases(mx, ops, ref, n, args)
     wanted = list(cases) if args.ops == "all" else args.ops.split(",")
+    unknown = sorted(set(wanted) - set(cases))
+    if unknown:
+        raise SystemExit("unknown operator(s) %s; choose from %s" % (unknown, sorted(cases)))
     src = np.random.RandomState(1).randn(n).astype(np.float32)
     dst = np.empty_like(src)
     gbytes = 4.0 * n / 1e9
+    simd = ops.build.set_simd(True)  # True when the library has AVX-512 kernels
 
     results = {}
     for name in wanted:
         cpp_fn, ref_fn = cases[name]
-        cpp, memcpys = {}, []
+        cpp, portable, memcpys = {}, {}, []
         for nt in threads:
             ops.set_num_threads(nt)
             seconds, memcpy_seconds = _median_seconds(
                 cpp_fn, args.repeats, mx.nd.waitall, interleave=lambda: np.copyto(dst, src))
             cpp[str(nt)] = gbytes / seconds
             memcpys.append(gbytes / memcpy_seconds)
+            if simd and name in SIMD_OPS:
+                ops.build.set_simd(False)
+                seconds, memcpy_seconds = _median_seconds(
+                    cpp_fn, args.repeats, mx.nd.waitall, interleave=lambda: np.copyto(dst, src))
+                ops.build.set_simd(True)
+                portable[str(nt)] = gbytes / seconds
+                memcpys.append(gbytes / memcpy_seconds)
         ops.set_num_threads(0)
         memcpy = statistics.median(memcpys)
         reference_gbps = gbytes / _median_seconds(ref_fn, args.ref_repeats, mx.nd.waitall)
         best = max(cpp.values())
         results[name] = {
             "cpp_gbps": {k: round(v, 3) for k, v in cpp.items()},
+            "cpp_portable_gbps": {k: round(v, 3) for k, v in portable.items()} or None,
             "reference_gbps": round(reference_gbps, 4),
             "memcpy_gbps": round(memcpy, 3),
             "cpp_over_memcpy": round(best / memcpy, 3),
@@ -149,6 +168,7 @@ def run(args):
         "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
         "cpu_count": os.cpu_count(),
         "library": ops.build.load(),
+        "avx512_kernels": simd,
         "setup": setup,
         "results": results,
         "target_quantize_2bit": None if quant is None else {

