@@ -162,7 +162,7 @@ class Hylo(KVStoreBase):
         """
         if isinstance(key, (int, np.integer)) and out is None:
             trainer, allreducing = _calling_trainer()
-            if allreducing:
+            if allreducing and 0 <= key < len(trainer._params):
                 self._pushpull_trainer_step(trainer, int(key))
                 return
         keys, values, outs = self._normalize(key, value, out, "pushpull")
@@ -197,7 +197,7 @@ class Hylo(KVStoreBase):
             return
         keys = [i for i, p in enumerate(trainer._params)
                 if i >= key and p.grad_req != "null" and p.list_grad()[0].stype == "default"]
-        if key not in keys:
+        if key not in keys:     # not a dense gradient of the Trainer: exchange it alone
             keys = [key]
         grads = [trainer._params[i].list_grad() for i in keys]
         self.pushpull(keys, grads)

@@ -67,4 +67,6 @@ class ResidualMemory:
         mx.nd.save(fname, self.state_dict())
 
     def load(self, fname):
-        self.load_state_dict(mx.nd.load(fname))
+        state = mx.nd.load(fname)
+        # mx.nd.save of an empty dict loads back as an empty list
+        self.load_state_dict(state if isinstance(state, dict) else {})

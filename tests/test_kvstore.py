@@ -231,3 +231,12 @@ def test_default_compression_trains_digits_like_uncompressed():
     for layer in stats["layers"].values():
         if layer["policy"] != "none":
             assert layer["ratio"] >= 8, layer
+
+
+def test_empty_residual_checkpoint_round_trips(tmp_path):
+    kv = mxhylo.create(policy={".*": "none"})
+    kv.pushpull("a", mx.nd.ones((4,)))
+    kv.save_residuals(str(tmp_path / "empty"))
+    other = mxhylo.create()
+    other.load_residuals(str(tmp_path / "empty"))
+    assert other.memory.names() == []
