@@ -4,6 +4,7 @@ Importing mxhylo registers the kvstore types ``hylo`` and ``dist_sync_hylo``
 with MXNet, so ``mx.kv.create('hylo')`` and ``gluon.Trainer(..., kvstore='dist_sync_hylo')``
 use Hylo's layer-aware gradient compression.
 """
+import os
 import sys
 
 if sys.version_info[:2] != (3, 11):
@@ -12,12 +13,26 @@ if sys.version_info[:2] != (3, 11):
 
 __version__ = "0.1.0"
 
-import mxnet  # noqa: E402
+# A parameter server or scheduler runs its whole life inside the first `import mxnet`
+# (MXNet enters the ps-lite loop while importing mxnet.kvstore). Two cases:
+_ROLE = os.environ.get("DMLC_ROLE")
+_SERVE_AFTER_IMPORT = _ROLE in ("server", "scheduler") and "mxnet" not in sys.modules
+if _SERVE_AFTER_IMPORT:
+    # 1. mxhylo is imported first (python -m mxhylo.run, or a script importing mxhylo
+    #    before mxnet): import MXNet as a worker would, so that it and mxhylo load
+    #    whole, then enter the server loop at the end of this file. MXNet reads
+    #    DMLC_ROLE when it decides, so the role is only hidden during the import.
+    os.environ["DMLC_ROLE"] = "worker"
+    try:
+        import mxnet  # noqa: E402
+    finally:
+        os.environ["DMLC_ROLE"] = _ROLE
+else:
+    import mxnet  # noqa: E402
 
 if not hasattr(mxnet, "nd"):
-    # This is a parameter server unpickling hylo's decoder: a server runs its whole
-    # life inside `import mxnet` (MXNet enters the server loop while importing
-    # mxnet.kvstore), before mxnet binds its `nd` alias and imports `library`.
+    # 2. mxnet was imported first and this server is unpickling hylo's decoder from
+    #    inside that import, before mxnet binds its `nd` alias and imports `library`.
     import mxnet.library  # noqa: E402,F401
     import mxnet.ndarray  # noqa: E402
 
@@ -39,3 +54,9 @@ def __getattr__(name):
 
 
 __all__ = ["create", "io", "LARSTrainer"]
+
+
+if _SERVE_AFTER_IMPORT:
+    from mxnet.kvstore import kvstore_server  # noqa: E402
+
+    kvstore_server._init_kvstore_server_module()     # serves, then exits the process

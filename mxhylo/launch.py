@@ -228,8 +228,10 @@ def plan_children(args, root_uri, root_port, environ=None):
         exports["PYTHONUNBUFFERED"] = environ.get("PYTHONUNBUFFERED", "1")
         exports.update(user_overrides(args, role))
         argv = ssh_argv(host, port, remote_command(workdir, exports, args.command), args.ssh)
-        children.append(procs.Child("%s %d" % (role, index), role, argv, dict(environ),
-                                    host=host, keep_stdin=True))
+        child = procs.Child("%s %d" % (role, index), role, argv, dict(environ),
+                            host=host, keep_stdin=True)
+        child.remote_env = exports      # what the remote process gets (for --dry-run)
+        children.append(child)
     return children
 
 
@@ -463,7 +465,8 @@ def main(argv=None):
     children = plan_children(args, root_uri, root_port)
     if args.dry_run:
         for c in children:
-            dmlc = {k: v for k, v in c.env.items() if k.startswith("DMLC_")}
+            env = getattr(c, "remote_env", c.env)
+            dmlc = {k: v for k, v in env.items() if k.startswith("DMLC_")}
             print("%s: %s\n    %s" % (c.name, shlex.join(c.argv), json.dumps(dmlc, sort_keys=True)))
         return 0
     job = Job(children, timeout=args.timeout, grace=args.grace,

@@ -314,3 +314,15 @@ def test_end_to_end_tiny(tmp_path):
     assert two["push_bytes_per_step"] < 0.25 * dense["wire"]["push_bytes_per_step"]
     assert two["pull_bytes_per_step"] >= 2 * dense_bytes
     assert (tmp_path / "comm.png").exists()
+
+
+def test_synthetic_gradients_scale_and_seed():
+    shapes = [(300, 4000), (16, 3, 3, 3), (7,)]
+    g = comm_worker.synthetic_gradients(shapes, 0.01, seed=1, pool=10007)
+    assert [a.shape for a in g] == shapes
+    big = g[0].asnumpy()
+    assert abs(big.std() - 0.01) < 0.001 and abs(big.mean()) < 0.001
+    again = comm_worker.synthetic_gradients(shapes, 0.01, seed=1, pool=10007)
+    other = comm_worker.synthetic_gradients(shapes, 0.01, seed=2, pool=10007)
+    assert (again[1].asnumpy() == g[1].asnumpy()).all()
+    assert not (other[1].asnumpy() == g[1].asnumpy()).all()

@@ -405,6 +405,29 @@ class _Interrupted(BaseException):
     pass
 
 
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _Shielded:
+    """Cleanup that a second Ctrl-C (or SIGTERM/SIGHUP) cannot cut short: signals that
+    arrive meanwhile are held and raised when the block ends."""
+
+    def __enter__(self):
+        self.caught = []
+        self.old = {s: signal.signal(s, lambda signum, frame: self.caught.append(signum))
+                    for s in _SIGNALS}
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        for s, h in self.old.items():
+            signal.signal(s, h)
+        if self.caught and exc_type is None:
+            if self.caught[0] == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise _Interrupted("signal %d" % self.caught[0])
+        return False
+
+
 def run_job(topo, job_dir, mode, params, cfg, port, timeout):
     """One parameter-server job: start everything, serve the counter handshakes, wait.
     Returns (worker results, counters before, counters after)."""
@@ -470,8 +493,11 @@ def run_job(topo, job_dir, mode, params, cfg, port, timeout):
             time.sleep(0.05)
         results = []
         for role in sorted(outs):
-            with open(outs[role]) as f:
-                results.append(json.load(f))
+            try:
+                with open(outs[role]) as f:
+                    results.append(json.load(f))
+            except (OSError, ValueError) as err:
+                raise JobError("%s's result %s: %s" % (role, outs[role], err))
         if "start" not in counters or "end" not in counters:
             raise JobError("the workers never asked for the counter reads")
         return results, counters["start"], counters["end"]
@@ -482,8 +508,9 @@ def run_job(topo, job_dir, mode, params, cfg, port, timeout):
         err.tails = tails
         raise
     finally:
-        for p in reversed(procs):
-            p.kill()
+        with _Shielded():
+            for p in reversed(procs):
+                p.kill()
 
 
 # ----------------------------------------------------------------------------- plot
@@ -651,22 +678,22 @@ def run(args):
             add_speedups(per_mode, summaries[m]["dense_pull_floor_s"])
     except netns.NetnsError as err:
         raise SystemExit("mxhylo.bench comm: network namespaces: %s" % err)
-    except _Interrupted as err:
-        _log("interrupted (%s): cleaning up" % err)
+    except (_Interrupted, KeyboardInterrupt) as err:
+        _log("interrupted (%s): cleaning up" % (str(err) or "SIGINT"))
         raise SystemExit(130)
     finally:
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(s, signal.SIG_IGN)
-        errors = topo.destroy()
-        for s, h in old.items():
-            signal.signal(s, h)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if errors:
-            _log("could not delete: %s" % "; ".join(errors))
-        if args.keep_tmp or failed:
-            _log("job files kept in " + tmp)
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            with _Shielded():
+                errors = topo.destroy()
+                if errors:
+                    _log("could not delete: %s" % "; ".join(errors))
+                if args.keep_tmp or failed:
+                    _log("job files kept in " + tmp)
+                else:
+                    shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
 
     report["table"] = format_table(report)
     for line in report["table"]:

@@ -5,14 +5,15 @@ packed as JPEG with mxhylo.im2rec, in a temporary folder):
 
 1. Decode throughput (images/s, no training step): a plain single-process cv2 loop
    (read record, imdecode, BGR->RGB, HWC->CHW float32 batch), ImageRecordIter used
-   directly (both backends), and RecordLoader (delivered to the loop, and the
-   producer side alone).
+   directly (both backends), and RecordLoader not pipelined and pipelined (images
+   delivered to the loop; median of --repeats one-epoch runs).
 2. Input wait with a simulated compute step of fixed length per batch: the fraction
    of the loop's wall time spent waiting for the next batch, for RecordLoader not
    pipelined (prefetch=0: decode happens inside the loop), pipelined (prefetch>0),
    and ImageRecordIter's own C++ prefetch. The step is --compute-factor times the
    measured decode time per batch (>1: compute is longer than decode, where the
-   target is < 5% waiting), and also 0.5x to show the decode-bound case.
+   target is < 5% waiting), and also 0.5x to show the decode-bound case. Each row is
+   run --repeats times, interleaved, and reports the decode time seen in that run.
 
 The simulated step is time.sleep by default: on a GPU the step runs on the device
 while the host thread waits, leaving the host cores to the decoders; sleep models
@@ -34,14 +35,14 @@ def add_arguments(parser):
     parser.add_argument("--epochs", type=int, default=2,
                         help="epochs per wait measurement (1348 images each; default 2)")
     parser.add_argument("--repeats", type=int, default=3,
-                        help="one-epoch throughput runs per row; the median is reported")
+                        help="runs per row (throughput: one epoch each); medians are reported")
     parser.add_argument("--prefetch", type=int, default=4, help="RecordLoader queue depth")
     parser.add_argument("--threads", type=int, default=2,
                         help="preprocess_threads for the prefetching ImageRecordIter backend")
     parser.add_argument("--compute", choices=("sleep", "busy"), default="sleep",
                         help="simulated step: sleep (GPU-like, default) or busy loop (CPU-bound)")
-    parser.add_argument("--compute-factor", type=float, default=1.5,
-                        help="step length / measured decode time per batch (default 1.5)")
+    parser.add_argument("--compute-factor", type=float, default=2.0,
+                        help="step length / measured median decode time per batch (default 2)")
     parser.add_argument("--compute-ms", type=float, default=None,
                         help="fixed step length in ms instead of --compute-factor")
     parser.add_argument("--workdir", default=None, help="where to pack the sample (default: a temp dir)")
@@ -191,35 +192,43 @@ def run(args):
                       "runs": [round(x, 1) for x in v]} for name, v in runs.items()}
         decode_ms = bs / thr["recordloader_not_pipelined"]["median"] * 1e3
 
-        # 2. waiting with a simulated step
+        # 2. waiting with a simulated step; --repeats interleaved runs per row, because
+        #    on a shared machine decode speed drifts between calibration and measurement:
+        #    each run reports its own decode time, and the target is judged only on runs
+        #    where compute really was longer than decode
         factors = [args.compute_factor, 0.5] if args.compute_ms is None else [None]
-        wait = {}
+        wait, qualifying = {}, []
         for factor in factors:
             step_ms = args.compute_ms if factor is None else factor * decode_ms
             step_s = step_ms / 1e3
             key = "step_%.1fms" % step_ms if factor is None else "step_%.2fx_decode" % factor
-            rows = {"compute_ms_per_batch": round(step_ms, 2)}
-            for name, prefetch in (("not_pipelined", 0), ("pipelined", args.prefetch)):
-                ld = loader(prefetch)
-                waits, total = _timed_loop((b for _ in range(args.epochs) for b in ld),
-                                           args.compute, step_s)
-                rows[name] = _wait_report(waits, total, step_s)
-                st = ld.stats()
-                rows[name]["loader_stats_wait_fraction"] = round(st["wait_fraction"], 4)
-                # decode speed during this very run: is compute really longer than decode?
-                this_ms = bs / st["decode_images_per_s"] * 1e3 if st["decode_images_per_s"] else 0
-                rows[name]["decode_ms_per_batch_this_run"] = round(this_ms, 2)
-                rows[name]["compute_over_decode_this_run"] = round(step_ms / this_ms, 2) \
-                    if this_ms else None
-                ld.close()
-            it = _record_iter(rec, idx, bs, size, "gpu", args.threads)
-            waits, total = _timed_loop(_epochs(it, args.epochs), args.compute, step_s)
-            rows["imagerecorditer_own_prefetch"] = _wait_report(waits, total, step_s)
-            wait[key] = rows
+            runs = {"not_pipelined": [], "pipelined": [], "imagerecorditer_own_prefetch": []}
+            for _ in range(args.repeats):
+                for name, prefetch in (("not_pipelined", 0), ("pipelined", args.prefetch)):
+                    ld = loader(prefetch)
+                    waits, total = _timed_loop((b for _ in range(args.epochs) for b in ld),
+                                               args.compute, step_s)
+                    row = _wait_report(waits, total, step_s)
+                    st = ld.stats()
+                    ld.close()
+                    row["loader_stats_wait_fraction"] = round(st["wait_fraction"], 4)
+                    this_ms = bs / st["decode_images_per_s"] * 1e3
+                    row["decode_ms_per_batch_this_run"] = round(this_ms, 2)
+                    row["compute_over_decode_this_run"] = round(step_ms / this_ms, 2)
+                    runs[name].append(row)
+                    if name == "pipelined" and factor != 0.5 and step_ms > this_ms:
+                        qualifying.append(row["wait_fraction"])
+                it = _record_iter(rec, idx, bs, size, "gpu", args.threads)
+                waits, total = _timed_loop(_epochs(it, args.epochs), args.compute, step_s)
+                runs["imagerecorditer_own_prefetch"].append(_wait_report(waits, total, step_s))
+                del it
+            wait[key] = {"compute_ms_per_batch": round(step_ms, 2)}
+            for name, rows_ in runs.items():
+                wait[key][name] = {
+                    "wait_fraction_median": round(float(np.median(
+                        [r["wait_fraction"] for r in rows_])), 4),
+                    "runs": rows_}
 
-        main_key = sorted(wait)[-1] if args.compute_ms is not None else \
-            "step_%.2fx_decode" % args.compute_factor
-        pipelined = wait[main_key]["pipelined"]["wait_fraction"]
         return {
             "suite": "io",
             "setup": {
@@ -243,9 +252,11 @@ def run(args):
                 "busy loop: models a CPU-bound step competing with the decoders for cores",
             },
             "wait": wait,
-            "target": "wait_fraction < 0.05 when compute per batch > decode per batch",
-            "target_met": bool(pipelined < 0.05) if (args.compute_ms is not None or
-                                                     args.compute_factor > 1) else None,
+            "target": "pipelined wait_fraction < 0.05 when compute per batch > decode per batch",
+            "target_runs": {"pipelined_runs_with_compute_longer_than_decode": len(qualifying),
+                            "their_wait_fractions": qualifying,
+                            "under_5_percent": sum(w < 0.05 for w in qualifying)},
+            "target_met": bool(np.median(qualifying) < 0.05) if qualifying else None,
         }
     finally:
         if args.workdir is None:

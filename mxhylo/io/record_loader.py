@@ -244,6 +244,7 @@ class RecordLoader:
         self._prefetcher = None
         self._fresh = True  # the source is at the start of an epoch nobody has consumed
         self.reset_stats()
+        self._start()
 
     # ------------------------------------------------------------------ checks
     @staticmethod
@@ -306,9 +307,14 @@ class RecordLoader:
         self._fresh = False
         return self._threaded() if self.prefetch > 0 else self._inline()
 
-    def _threaded(self):
-        if self._prefetcher is None:
+    def _start(self):
+        # started eagerly (construction, reset): decoding overlaps whatever the program
+        # does before its first step, e.g. building and initialising the network
+        if self.prefetch > 0 and self._prefetcher is None:
             self._prefetcher = Prefetcher(self._source, self.prefetch)
+
+    def _threaded(self):
+        self._start()
         clock, stats = _Clock(self._stats), self._stats
         while True:
             kind, item = self._prefetcher.get()
@@ -322,7 +328,7 @@ class RecordLoader:
                 self._fresh = True
                 return
             else:
-                self._close_prefetcher()
+                self._stop_thread()
                 raise item
 
     def _inline(self):
@@ -346,15 +352,24 @@ class RecordLoader:
 
     def reset(self):
         """Discard prefetched batches; the next ``for`` starts an epoch at the part's start."""
-        self._close_prefetcher()
+        self._rewind()
+        self._start()
+
+    def close(self):
+        """Stop the background thread (also done at garbage collection and interpreter exit).
+
+        The loader stays usable: the next ``for`` restarts it at the start of an epoch.
+        """
+        self._rewind()
+
+    def _rewind(self):
+        # The producer may have gone on into the next epoch, so stopping it always
+        # leaves the source somewhere unknown: rewind it to an epoch start.
+        self._stop_thread()
         self._source.reset()
         self._fresh = True
 
-    def close(self):
-        """Stop the background thread (also done at garbage collection and interpreter exit)."""
-        self._close_prefetcher()
-
-    def _close_prefetcher(self):
+    def _stop_thread(self):
         p, self._prefetcher = self._prefetcher, None
         if p is not None:
             self._producer_done = _add(self._producer_done, p.counters)
@@ -368,7 +383,7 @@ class RecordLoader:
 
     def __del__(self):
         try:
-            self._close_prefetcher()
+            self._stop_thread()  # no rewind: MXNet may be shutting down
         except Exception:
             pass
 
