@@ -142,11 +142,13 @@ def test_im2rec_bad_image_names_the_file(tmp_path):
 
 
 # ----------------------------------------------------------------------------- sharding
-@pytest.mark.parametrize("shuffle", [False, True])
-def test_three_parts_cover_the_data_once_every_epoch(id_rec, shuffle):
+@pytest.mark.parametrize("shuffle,iter_ctx", [(False, "cpu"), (True, "cpu"), (True, "gpu")])
+def test_three_parts_cover_the_data_once_every_epoch(id_rec, shuffle, iter_ctx):
+    """iter_ctx='gpu' is ImageRecordIter's prefetching backend (plain CPU memory here)."""
     rec, idx, all_ids = id_rec
     loaders = [RecordLoader(rec, idx, 64, (1, SIZE, SIZE), shuffle=shuffle, num_parts=3,
-                            part_index=p, last_batch="keep") for p in range(3)]
+                            part_index=p, last_batch="keep", iter_ctx=iter_ctx)
+               for p in range(3)]
     assert [l.part_size for l in loaders] == [450, 450, 448]  # ceil(1348 / 3) per part
     orders = []
     for epoch in range(3):

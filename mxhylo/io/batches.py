@@ -107,7 +107,7 @@ def _to_context(x, ctx, dtype, pool):
     return out
 
 
-def prepare(data, label, real, batch_size, last_batch, ctxs, dtype, pool=None):
+def prepare(data, label, real, batch_size, last_batch, ctxs, dtype, pool=None, wait=True):
     """A Batch from ImageRecordIter arrays ``data`` (B, C, H, W) and ``label`` (B, ...).
 
     real: how many leading rows are real samples (the rest are stale rows of an earlier
@@ -130,6 +130,7 @@ def prepare(data, label, real, batch_size, last_batch, ctxs, dtype, pool=None):
         out_data.append(_to_context(data[lo:hi], ctx, dtype, pool))
         out_label.append(label[lo:hi].copyto(ctx))  # small: a plain allocation is cheap
         used.append(ctx)
-    for arr in out_data + out_label:
-        arr.wait_to_read()  # the source buffer may be overwritten by the next decode
+    if wait:
+        for arr in out_data + out_label:
+            arr.wait_to_read()
     return Batch(out_data, out_label, size=real, pad=pad, ctx=used)

@@ -82,6 +82,11 @@ class _RecordSource:
         self._ctxs, self._dtype, self._channels = ctxs, dtype, channels
         self._part_size = part[1] - part[0]
         self._pool = HostBufferPool()
+        # The CPU backend decodes the next batch straight into the buffer it returned
+        # (behind the engine's back): copies must finish before next(). The prefetching
+        # backend calls WaitToWrite on a buffer before reusing it, which waits for our
+        # queued copies, so they can overlap the next decode.
+        self._wait = iter_kwargs.get("ctx") == "cpu"
         try:
             self._iter = mx.io.ImageRecordIter(**iter_kwargs)  # decodes the first batch now
         except mx.base.MXNetError as err:
@@ -98,7 +103,7 @@ class _RecordSource:
                 raise self._diagnose(err, i) from err
             real = min(self._bs, self._part_size - i * self._bs)
             yield prepare(b.data[0], b.label[0], real, self._bs, self._last, self._ctxs,
-                          self._dtype, self._pool)
+                          self._dtype, self._pool, wait=self._wait)
 
     def reset(self):
         self._iter.reset()

@@ -1,0 +1,369 @@
+"""Accuracy study: dense dist_sync vs MXNet's built-in 2-bit vs hylo, 4 workers, 3 seeds.
+
+``python -m mxhylo.bench accuracy [--epochs 20 --seeds 3 --workers 4 --servers 2] --json F``
+
+What runs: for every mode and seed, one parameter-server job (``python -m
+mxhylo.launch -n W -s S``) whose workers each call :func:`mxhylo.digits.train`, the
+project's one digits recipe (momentum SGD, per-worker batch, each worker on its
+contiguous shard of the training set, test accuracy after every epoch). Only the
+kvstore differs between modes:
+
+- ``dense``: MXNet's ``dist_sync``, float32 gradients pushed whole (Gluon's pushpull).
+- ``2bit``: ``dist_sync`` with ``set_gradient_compression({'type': '2bit',
+  'threshold': T})``. In MXNet 1.9.1 ``pushpull`` with compression aborts, and Gluon's
+  Trainer only calls pushpull, so :class:`PushThenPull` adapts the store: push the
+  gradients (MXNet quantizes them to {-T, 0, +T} with its own residual), pull the
+  servers' sum of the dequantized pushes back into the gradients, and the Trainer
+  updates locally with the same SGD as the other modes. (Setting the optimizer on the
+  servers instead, push gradients / pull weights, also works in 1.9.1; it was not used
+  so that every mode runs the identical worker-side update.)
+- ``hylo``: ``mxhylo.create('dist_sync_hylo')`` with its default policy.
+
+Data: scikit-learn's digits as numpy arrays (:func:`mxhylo.data.load_digits`: 1347
+training / 450 test images, the same split ``python -m mxhylo.im2rec --digits`` packs),
+not the .rec: the study is about the gradient exchange, and JPEG decoding would only
+add noise to a 2-core machine's timings.
+
+Model: :func:`mxhylo.models.digits_net`, not a gluoncv net. Measured here (one process,
+batch 16, 8x8 input): digits_net 9 ms/step, gluoncv's cifar_resnet20_v1 19 ms at
+8x8 and 34 ms at 16x16; and a CIFAR ResNet has no large fully connected layer, so
+hylo's fc_2bit path would not run, and with the default 8192-element threshold 27% of
+its bytes sit in small uncompressed layers (hylo reaches only ~6.7x there, below the
+8x this study checks). digits_net exercises all three policies (none, conv_topk,
+fc_2bit), and is the net every other digits result of the project uses.
+
+Bytes pushed per step, per worker: hylo counts what its transport really pushed
+(``kv.stats()``); dense is 4 bytes per gradient element; 2-bit is computed from
+MXNet's packing: every float32 dense key is compressed whatever its size (no
+threshold in KVStoreDist::Push_), to ceil(n / 16) float32 words (16 two-bit codes
+per word), i.e. 4 * ceil(n / 16) bytes. Keys of 1e6 elements or more
+(MXNET_KVSTORE_BIGARRAY_BOUND) are split over the servers with the same total.
+Payload only: ps-lite's message headers and key lists are not counted in any mode.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+MODES = ("dense", "2bit", "hylo")
+COLORS = {"dense": "tab:blue", "2bit": "tab:orange", "hylo": "tab:green"}
+
+
+# ----------------------------------------------------------------------------- bench side
+
+def add_arguments(parser):
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma-separated subset of " + ",".join(MODES))
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per mode (3)")
+    parser.add_argument("--epochs", type=int, default=20, help="epochs per run (20)")
+    parser.add_argument("--workers", type=int, default=4, help="workers per job (4)")
+    parser.add_argument("--servers", type=int, default=2, help="servers per job (2)")
+    parser.add_argument("--batch-size", type=int, default=32, help="per worker (32)")
+    parser.add_argument("--lr", type=float, default=0.02, help="SGD learning rate (0.02)")
+    parser.add_argument("--threshold", type=float, default=0.5,
+                        help="2bit mode: MXNet's quantization threshold (0.5)")
+    parser.add_argument("--plots-dir", default="docs",
+                        help="where the PNG plots go ('' : no plots) (default docs)")
+    parser.add_argument("--job-timeout", type=float, default=300,
+                        help="seconds before one training job is stopped (300)")
+
+
+def run(args):
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown or not modes:
+        raise SystemExit("accuracy: --modes must be a subset of %s, got %r"
+                         % (",".join(MODES), args.modes))
+    if args.seeds < 1 or args.epochs < 1 or args.workers < 1 or args.servers < 1:
+        raise SystemExit("accuracy: --seeds, --epochs, --workers and --servers must be >= 1")
+    start = time.time()
+    runs = {m: [] for m in modes}
+    with tempfile.TemporaryDirectory(prefix="mxhylo-accuracy-") as tmp:
+        for seed in range(args.seeds):
+            for mode in modes:   # modes interleaved: machine load drifts over a study
+                runs[mode].append(launch_job(args, mode, seed, tmp))
+                r = runs[mode][-1]
+                print("accuracy: %-5s seed %d: test accuracy %.4f, %.0f bytes/step, %.0f s"
+                      % (mode, seed, r["accuracy"], r["bytes_per_step"], r["job_seconds"]),
+                      file=sys.stderr, flush=True)
+    report = summarize(args, runs)
+    report["study_seconds"] = time.time() - start
+    if args.plots_dir:
+        report["plots"] = make_plots(report, runs, args.plots_dir)
+    return report
+
+
+def launch_job(args, mode, seed, tmp):
+    """One parameter-server job; returns rank 0's result (plus every rank's accuracy)."""
+    out = os.path.join(tmp, "%s-%d-{rank}.json" % (mode, seed))
+    worker = [sys.executable, "-m", "mxhylo.bench.accuracy", "--mode", mode,
+              "--seed", str(seed), "--epochs", str(args.epochs),
+              "--batch-size", str(args.batch_size), "--lr", str(args.lr),
+              "--threshold", str(args.threshold), "--out", out]
+    # One OpenMP thread per process: W workers and S servers share the machine's cores.
+    cmd = [sys.executable, "-m", "mxhylo.launch", "-n", str(args.workers),
+           "-s", str(args.servers), "--timeout", str(args.job_timeout),
+           "--env", "OMP_NUM_THREADS:1"] + worker
+    t0 = time.time()
+    res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if res.returncode != 0:
+        raise RuntimeError("accuracy: %s seed %d failed (exit %d):\n%s"
+                           % (mode, seed, res.returncode, res.stdout[-4000:]))
+    ranks = []
+    for r in range(args.workers):
+        with open(out.format(rank=r)) as f:
+            ranks.append(json.load(f))
+    result = ranks[0]
+    result["rank_accuracies"] = [r["accuracy"] for r in ranks]
+    result["job_seconds"] = time.time() - t0
+    return result
+
+
+def _spread(values):
+    v = np.asarray(values, dtype=float)
+    return {"mean": float(v.mean()), "std": float(v.std(ddof=1)) if len(v) > 1 else 0.0,
+            "min": float(v.min()), "max": float(v.max()), "values": [float(x) for x in v]}
+
+
+def summarize(args, runs):
+    modes = {}
+    for mode, rs in runs.items():
+        curves = np.asarray([r["history"] for r in rs], dtype=float)
+        modes[mode] = {
+            "final_accuracy": _spread([r["accuracy"] for r in rs]),
+            "curve_mean": curves.mean(axis=0).tolist(),
+            "curve_min": curves.min(axis=0).tolist(),
+            "curve_max": curves.max(axis=0).tolist(),
+            "bytes_pushed_per_step": float(np.mean([r["bytes_per_step"] for r in rs])),
+            "job_seconds": _spread([r["job_seconds"] for r in rs]),
+            "layers": rs[0]["layers"],
+        }
+        if mode == "hylo":
+            modes[mode]["hylo_ratio"] = float(np.mean([r["stats"]["ratio"] for r in rs]))
+    report = {"config": {k: getattr(args, k) for k in (
+        "modes", "seeds", "epochs", "workers", "servers", "batch_size", "lr", "threshold")},
+        "model": "mxhylo.models.digits_net",
+        "data": "scikit-learn digits, numpy (1347 train / 450 test)",
+        "modes": modes}
+    if "dense" in modes:
+        dense = modes["dense"]
+        for mode in modes:
+            modes[mode]["accuracy_gap_points"] = 100.0 * (
+                modes[mode]["final_accuracy"]["mean"] - dense["final_accuracy"]["mean"])
+            modes[mode]["bytes_vs_dense"] = (modes[mode]["bytes_pushed_per_step"]
+                                             / dense["bytes_pushed_per_step"])
+        if "hylo" in modes:
+            h = modes["hylo"]
+            report["checks"] = {
+                # only a loss counts against hylo: doing better than dense passes
+                "hylo_within_0.5_points_of_dense": h["accuracy_gap_points"] >= -0.5,
+                "hylo_bytes_at_most_1/8_of_dense": h["bytes_vs_dense"] <= 1.0 / 8.0,
+            }
+    return report
+
+
+def make_plots(report, runs, folder):
+    """docs/accuracy_curves.png (per-mode test accuracy per epoch, mean and min-max band,
+    and bytes per step) and docs/hylo_bytes_per_layer.png; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")   # no display on a build machine
+    import matplotlib.pyplot as plt
+
+    os.makedirs(folder, exist_ok=True)
+    paths = {}
+    modes = report["modes"]
+    cfg = report["config"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [2, 1]})
+    for mode, m in modes.items():
+        x = np.arange(1, len(m["curve_mean"]) + 1)
+        ax.plot(x, 100 * np.asarray(m["curve_mean"]), color=COLORS[mode],
+                label="%s: %.2f%% (sd %.2f)" % (mode, 100 * m["final_accuracy"]["mean"],
+                                                100 * m["final_accuracy"]["std"]))
+        ax.fill_between(x, 100 * np.asarray(m["curve_min"]), 100 * np.asarray(m["curve_max"]),
+                        color=COLORS[mode], alpha=0.15, linewidth=0)
+    low = min(min(m["curve_mean"][len(m["curve_mean"]) // 4:]) for m in modes.values())
+    ax.set_ylim(max(0.0, 100 * low - 2), 100.5)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title("digits_net on the digits, %d workers, %d seeds (mean, min-max band)"
+                 % (cfg["workers"], cfg["seeds"]), fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    names = list(modes)
+    kb = [modes[n]["bytes_pushed_per_step"] / 1e3 for n in names]
+    bars = bx.bar(names, kb, color=[COLORS[n] for n in names])
+    for rect, v in zip(bars, kb):
+        bx.annotate("%.0f kB" % v, (rect.get_x() + rect.get_width() / 2, v),
+                    ha="center", va="bottom", fontsize=8)
+    bx.set_yscale("log")
+    bx.set_ylabel("bytes pushed per step per worker (kB, log)")
+    bx.set_title("gradient payload per step", fontsize=10)
+    fig.tight_layout()
+    paths["accuracy_curves"] = os.path.join(folder, "accuracy_curves.png")
+    fig.savefig(paths["accuracy_curves"], dpi=110)
+    plt.close(fig)
+
+    if "hylo" in modes:
+        layers = modes["hylo"]["layers"]
+        names = sorted(layers, key=lambda n: -layers[n]["dense_bytes_per_step"])
+        fig, ax = plt.subplots(figsize=(9, 0.35 * len(names) + 1.5))
+        y = np.arange(len(names))
+        dense = [layers[n]["dense_bytes_per_step"] for n in names]
+        sent = [layers[n]["bytes_per_step"] for n in names]
+        ax.barh(y + 0.2, dense, height=0.4, color="lightgrey", label="dense float32")
+        policy_colors = {"none": "tab:gray", "conv_topk": "tab:purple", "fc_2bit": "tab:red"}
+        ax.barh(y - 0.2, sent, height=0.4,
+                color=[policy_colors[layers[n]["policy"]] for n in names], label="hylo")
+        for yi, n in zip(y, names):
+            ax.annotate(" %s, %.1fx" % (layers[n]["policy"], layers[n]["ratio"]),
+                        (layers[n]["bytes_per_step"], yi - 0.2), va="center", fontsize=7)
+        ax.set_yticks(y)
+        ax.set_yticklabels(names, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        ax.set_xlabel("bytes pushed per step per worker (log)")
+        ax.set_title("hylo per layer of digits_net: policy and compression ratio; "
+                     "grey = dense", fontsize=10)
+        ax.legend(fontsize=8, loc="lower right")
+        fig.tight_layout()
+        paths["hylo_bytes_per_layer"] = os.path.join(folder, "hylo_bytes_per_layer.png")
+        fig.savefig(paths["hylo_bytes_per_layer"], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+# ----------------------------------------------------------------------------- byte counts
+
+def dense_bytes(n):
+    """Bytes a float32 gradient of n elements pushes uncompressed."""
+    return 4 * int(n)
+
+
+def twobit_bytes(n):
+    """Bytes MXNet 1.9's 2-bit compression pushes for a float32 key of n elements:
+    16 codes per float32 word, ceil(n / 16) words (GradientCompression::GetCompressedSize)."""
+    return 4 * ((int(n) + 15) // 16)
+
+
+# ----------------------------------------------------------------------------- worker side
+
+def _kvstore_base():
+    from mxnet.kvstore import KVStoreBase
+
+    return KVStoreBase
+
+
+class PushThenPull(_kvstore_base()):
+    """A native dist kvstore with MXNet's 2-bit compression, usable by gluon.Trainer.
+
+    Gluon calls ``pushpull``, which aborts in MXNet 1.9.1 once gradient compression is
+    on; this adapter turns it into ``push`` (compressed by MXNet, with its residual)
+    then ``pull`` of the servers' sum into the same arrays. The pull is ordered after
+    the push by MXNet's engine (both touch the key's communication buffer), and a
+    dist_sync server acknowledges a push only once every worker's push is merged, so
+    the pull returns this step's sum. The Trainer then updates on the worker.
+    """
+
+    def __init__(self, threshold, kvstore_type="dist_sync"):
+        import mxnet as mx
+
+        self._kv = mx.kv.create(kvstore_type)
+        # before any key is initialised, as MXNet requires
+        self._kv.set_gradient_compression({"type": "2bit", "threshold": float(threshold)})
+
+    def broadcast(self, key, value, out, priority=0):
+        self._kv.broadcast(key, value, out, priority=priority)   # init (uncompressed) + pull
+
+    def pushpull(self, key, value, out=None, priority=0):
+        self._kv.push(key, value, priority=priority)
+        self._kv.pull(key, out=value if out is None else out, priority=priority)
+
+    @staticmethod
+    def is_capable(capability):
+        return False   # the update runs on the workers, as in the other modes
+
+    def set_optimizer(self, optimizer):
+        raise NotImplementedError("PushThenPull updates on the workers")
+
+    def save_optimizer_states(self, fname, dump_optimizer=False):
+        raise NotImplementedError
+
+    def load_optimizer_states(self, fname):
+        raise NotImplementedError
+
+    @property
+    def type(self):
+        return self._kv.type
+
+    @property
+    def rank(self):
+        return self._kv.rank
+
+    @property
+    def num_workers(self):
+        return self._kv.num_workers
+
+
+def _worker_parser():
+    p = argparse.ArgumentParser(prog="python -m mxhylo.bench.accuracy",
+                                description="one worker of the accuracy study (started by "
+                                            "python -m mxhylo.bench accuracy)")
+    p.add_argument("--mode", choices=MODES, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--threshold", type=float, default=0.5)
+    p.add_argument("--out", required=True, help="result JSON; {rank} is the worker rank")
+    return p
+
+
+def worker_main(argv=None):
+    args = _worker_parser().parse_args(argv)
+    import mxnet as mx
+
+    import mxhylo
+    from mxhylo import digits
+
+    if args.mode == "dense":
+        kv = mx.kv.create("dist_sync")
+    elif args.mode == "2bit":
+        kv = PushThenPull(args.threshold)
+    else:
+        kv = mxhylo.create("dist_sync_hylo")
+    result = digits.train(kvstore=kv, contexts=[mx.cpu(0)], epochs=args.epochs,
+                          batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    sizes = {name: int(a.size) for name, a in result["params"].items()}
+    shapes = {name: list(a.shape) for name, a in result["params"].items()}
+    stats = result["stats"]
+    if args.mode == "hylo":
+        layers = {name: {"policy": e["policy"], "shape": e["shape"], "k": e["k"],
+                         "rate": e["rate"], "bytes_per_step": e["bytes_pushed"] / e["steps"],
+                         "dense_bytes_per_step": e["dense_bytes"] / e["steps"],
+                         "ratio": e["ratio"]}
+                  for name, e in stats["layers"].items()}
+        per_step = stats["bytes_pushed"] / stats["steps"]
+    else:
+        count = dense_bytes if args.mode == "dense" else twobit_bytes
+        layers = {name: {"policy": args.mode, "shape": shapes[name],
+                         "bytes_per_step": count(n), "dense_bytes_per_step": dense_bytes(n),
+                         "ratio": dense_bytes(n) / count(n)} for name, n in sizes.items()}
+        per_step = float(sum(count(n) for n in sizes.values()))
+    report = {"mode": args.mode, "seed": args.seed, "rank": result["rank"],
+              "workers": result["workers"], "accuracy": result["accuracy"],
+              "history": result["history"], "seconds": result["seconds"],
+              "bytes_per_step": per_step, "layers": layers,
+              "stats": {k: v for k, v in (stats or {}).items() if k != "layers"}}
+    with open(args.out.format(rank=result["rank"]), "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())
