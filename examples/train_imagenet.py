@@ -461,7 +461,8 @@ def train(args):
         record = {"epoch": epoch, "train_top1": acc.get()[1], "val_top1": top1,
                   "val_top5": top5, "samples_per_s": speed * num_workers,
                   "seconds": elapsed, "loss_scale": trainer.loss_scale,
-                  "bytes_per_step": per_step}
+                  "bytes_per_step": per_step, "lr": trainer.learning_rate,
+                  "num_update": trainer.num_update}
         result["epochs"].append(record)
         log.info("[Epoch %d] training: top1=%.4f  speed: %.1f samples/s (job %.1f)  "
                  "time: %.1f s", epoch, record["train_top1"], speed, speed * num_workers,

@@ -1,0 +1,173 @@
+"""examples/train_imagenet.py and the accuracy study's pieces, run for real but small.
+
+The distributed runs go through ``python -m mxhylo.launch`` on the digits packed by
+``python -m mxhylo.im2rec --digits``; each has a launcher timeout below the test's own,
+so a hung job fails with the launcher's message instead of hanging pytest.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "train_imagenet.py")
+
+
+def _env():
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"   # several processes share a small machine
+    env.pop("DMLC_ROLE", None)
+    return env
+
+
+def _run(cmd, timeout):
+    res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=timeout, cwd=ROOT, env=_env())
+    return res.returncode, res.stdout
+
+
+@pytest.fixture(scope="module")
+def digits_rec(tmp_path_factory):
+    out = tmp_path_factory.mktemp("digits_rec")
+    rc, log = _run([sys.executable, "-m", "mxhylo.im2rec", "--digits", str(out),
+                    "--no-progress", "--num-workers", "1"], timeout=120)
+    assert rc == 0, log
+    return {"train": str(out / "digits_train.rec"), "val": str(out / "digits_val.rec")}
+
+
+def _data_args(digits_rec):
+    return ["--rec-train", digits_rec["train"], "--rec-val", digits_rec["val"],
+            "--classes", "10", "--input-size", "16", "--num-epochs", "1", "-j", "1"]
+
+
+def test_resnet18_two_workers_one_server_finishes_an_epoch(digits_rec, tmp_path):
+    """The issue's must-show: resnet18_v1b, 2 workers + 1 server, one epoch, logged
+    accuracy and bytes, a checkpoint with each worker's residuals."""
+    cmd = [sys.executable, "-m", "mxhylo.launch", "-n", "2", "-s", "1", "--timeout", "150",
+           sys.executable, SCRIPT, "--model", "resnet18_v1b", "--kvstore", "dist_sync_hylo",
+           "--batch-size", "32", "--log-interval", "10", "--lr", "2", "--eta", "0.02",
+           "--save-dir", str(tmp_path), "--json", str(tmp_path / "summary-{rank}.json")]
+    rc, log = _run(cmd + _data_args(digits_rec), timeout=180)
+    assert rc == 0, log[-4000:]
+    assert "validation: top1=" in log and "top5=" in log, log[-4000:]
+    assert "samples/s" in log and "pushed" in log and "(measured" in log, log[-4000:]
+    summaries = [json.load(open(tmp_path / ("summary-%d.json" % r))) for r in (0, 1)]
+    for s in summaries:
+        assert s["workers"] == 2 and len(s["epochs"]) == 1
+        traffic = s["traffic"]
+        assert traffic["steps"] > 0 and traffic["bytes_pushed"] > 0
+        # resnet18's conv layers go top-k: far less than dense float32
+        assert traffic["ratio"] > 8, traffic
+    acc = summaries[0]["epochs"][0]
+    assert 0.0 <= acc["val_top1"] <= acc["val_top5"] <= 1.0
+    assert acc["bytes_per_step"] > 0 and acc["samples_per_s"] > 0
+    for name in ("imagenet-resnet18_v1b-0.params", "imagenet-resnet18_v1b-0.states",
+                 "imagenet-resnet18_v1b-0.states.residuals.rank0",
+                 "imagenet-resnet18_v1b-0.states.residuals.rank1"):
+        assert (tmp_path / name).is_file(), name
+
+
+def test_one_process_two_cpu_devices_then_resume(digits_rec, tmp_path):
+    """--kvstore hylo in one process over cpu(0) and cpu(1), then --resume-* for epoch 1."""
+    common = [sys.executable, SCRIPT, "--model", "cifar_resnet20_v1", "--kvstore", "hylo",
+              "--num-cpus-as-devices", "2", "--batch-size", "16", "--log-interval", "0",
+              "--lr", "1", "--eta", "0.02", "--lr-mode", "cosine", "--save-dir",
+              str(tmp_path)] + _data_args(digits_rec)
+    rc, log = _run(common + ["--num-epochs", "2", "--save-frequency", "1", "--json",
+                             str(tmp_path / "first.json")], timeout=150)
+    # the first run trains both epochs; the resumed one repeats epoch 1 from the epoch-0
+    # checkpoint and must land on the same schedule position
+    assert rc == 0, log[-4000:]
+    first = json.load(open(tmp_path / "first.json"))
+    assert [e["epoch"] for e in first["epochs"]] == [0, 1]
+    assert "2 device(s)" in log and "kvstore hylo" in log
+    rc, log = _run(common + ["--num-epochs", "2", "--resume-epoch", "1",
+                             "--resume-params", str(tmp_path / "imagenet-cifar_resnet20_v1-0.params"),
+                             "--resume-states", str(tmp_path / "imagenet-cifar_resnet20_v1-0.states"),
+                             "--save-dir", str(tmp_path / "resumed"),
+                             "--json", str(tmp_path / "resumed.json")], timeout=150)
+    assert rc == 0, log[-4000:]
+    resumed = json.load(open(tmp_path / "resumed.json"))
+    assert [e["epoch"] for e in resumed["epochs"]] == [1]
+    assert (tmp_path / "resumed" / "imagenet-cifar_resnet20_v1-1.params").is_file()
+    # the schedule went on from the checkpoint, not from step 0
+    assert resumed["epochs"][0]["num_update"] == first["epochs"][1]["num_update"]
+    assert resumed["epochs"][0]["lr"] == pytest.approx(first["epochs"][1]["lr"])
+
+
+def test_missing_record_file_is_named(tmp_path):
+    missing = str(tmp_path / "nowhere" / "train.rec")
+    rc, log = _run([sys.executable, SCRIPT, "--model", "resnet18_v1b", "--rec-train", missing,
+                    "--rec-val", missing], timeout=120)
+    assert rc == 2
+    assert "--rec-train: %s does not exist" % missing in log
+    assert "mxhylo.im2rec --digits" in log
+
+
+def test_local_kvstore_under_the_launcher_is_refused(digits_rec):
+    cmd = [sys.executable, "-m", "mxhylo.launch", "-n", "1", "-s", "1", "--timeout", "60",
+           sys.executable, SCRIPT, "--model", "resnet18_v1b", "--kvstore", "device"]
+    rc, log = _run(cmd + _data_args(digits_rec), timeout=90)
+    assert rc != 0
+    assert "--kvstore device is not distributed" in log
+
+
+def test_two_bit_byte_count():
+    from mxhylo.bench.accuracy import dense_bytes, twobit_bytes
+
+    assert dense_bytes(10) == 40
+    assert twobit_bytes(16) == 4 and twobit_bytes(17) == 8 and twobit_bytes(1) == 4
+    assert twobit_bytes(524288) * 16 == dense_bytes(524288)
+
+
+PUSH_THEN_PULL_WORKER = """
+import mxnet as mx
+from mxhylo.bench.accuracy import PushThenPull
+kv = PushThenPull(threshold=0.5)
+w = mx.nd.zeros((3, 7))
+kv.broadcast(0, mx.nd.ones((3, 7)) * (1 + kv.rank), out=w)   # rank 0's value everywhere
+sums = []
+for step in range(2):
+    g = mx.nd.ones((3, 7)) * 0.7 * (kv.rank + 1)
+    kv.pushpull(0, g)
+    sums.append(float(g.asnumpy().mean()))
+print("RESULT", kv.rank, float(w.asnumpy().mean()), sums, flush=True)
+"""
+
+
+def test_push_then_pull_sums_dequantized_two_bit_pushes(tmp_path):
+    """MXNet's 2-bit with error feedback, through the adapter Gluon can use: worker 0
+    pushes 0.7 (sends +0.5, keeps 0.2), worker 1 pushes 1.4 (sends +0.5, keeps 0.9);
+    next step 0.9 and 2.3 both send +0.5 again. Each pull returns the sum, 1.0."""
+    script = tmp_path / "worker.py"
+    script.write_text(PUSH_THEN_PULL_WORKER)
+    rc, log = _run([sys.executable, "-m", "mxhylo.launch", "-n", "2", "-s", "1", "--timeout",
+                    "60", sys.executable, str(script)], timeout=90)
+    assert rc == 0, log[-3000:]
+    results = [line.split("RESULT", 1)[1].split(None, 2) for line in log.splitlines()
+               if "RESULT" in line]
+    assert len(results) == 2, log
+    for rank, weight, sums in results:
+        assert float(weight) == 1.0              # broadcast gave rank 0's ones
+        assert json.loads(sums) == [1.0, 1.0]
+
+
+@pytest.mark.slow
+def test_accuracy_study_smoke(tmp_path):
+    """The whole study pipeline, tiny: 2 workers, 1 seed, 2 epochs, plots written."""
+    out = tmp_path / "report.json"
+    rc, log = _run([sys.executable, "-m", "mxhylo.bench", "accuracy", "--seeds", "1",
+                    "--epochs", "2", "--workers", "2", "--servers", "1",
+                    "--plots-dir", str(tmp_path), "--json", str(out)], timeout=400)
+    assert rc == 0, log[-4000:]
+    report = json.load(open(out))
+    assert set(report["modes"]) == {"dense", "2bit", "hylo"}
+    dense = report["modes"]["dense"]["bytes_pushed_per_step"]
+    assert report["modes"]["2bit"]["bytes_pushed_per_step"] < dense / 15
+    assert report["modes"]["hylo"]["bytes_pushed_per_step"] < dense / 8
+    assert report["modes"]["hylo"]["layers"]["dense0_weight"]["policy"] == "fc_2bit"
+    assert len(report["modes"]["hylo"]["curve_mean"]) == 2
+    assert (tmp_path / "accuracy_curves.png").is_file()
+    assert (tmp_path / "hylo_bytes_per_layer.png").is_file()
