@@ -59,9 +59,9 @@ def main():
                 result["rank"], result["accuracy"], stats["bytes_pushed"] / 1e6,
                 stats["dense_bytes"] / 1e6, stats["ratio"], stats["compressed_layers_ratio"]))
         for name, layer in sorted(stats["layers"].items()):
-            log("  %-40s %-9s %8d -> %7d bytes/step" % (
+            log("  %-40s %-9s %8d -> %7d bytes/step, %.1f messages/step" % (
                 name, layer["policy"], layer["dense_bytes"] // layer["steps"],
-                layer["last_bytes"]))
+                layer["last_bytes"], layer["messages"] / layer["steps"]))
     if args.compare and not distributed:
         dense = train(kvstore="device", contexts=contexts, epochs=args.epochs,
                       batch_size=args.batch_size, lr=args.lr, seed=args.seed)

@@ -10,17 +10,23 @@ travel (default dist_sync_hylo: Hylo's layer-aware compression).
 
 One process (two CPU contexts standing in for two GPUs, in-process hylo)::
 
-    python -m mxhylo.im2rec --digits /tmp/digits
-    python examples/train_imagenet.py --model resnet18_v1b --classes 10 --input-size 32 \\
+    python -m mxhylo.im2rec --digits /tmp/digits      # 32x32 grey digits, .rec + .idx
+    python examples/train_imagenet.py --model resnet18_v1b --classes 10 --input-size 16 \\
         --rec-train /tmp/digits/digits_train.rec --rec-val /tmp/digits/digits_val.rec \\
-        --kvstore hylo --num-cpus-as-devices 2 --lr 2 --eta 0.02 --num-epochs 5
+        --kvstore hylo --num-cpus-as-devices 2 --no-augment \\
+        --lr 2 --eta 0.02 --lr-mode cosine --warmup-epochs 1 --num-epochs 10
 
 Over MXNet's parameter server (each worker trains on its shard of the .rec)::
 
     python -m mxhylo.launch -n 2 -s 1 python examples/train_imagenet.py --model resnet18_v1b \\
-        --classes 10 --input-size 32 --rec-train ... --rec-val ... --kvstore dist_sync_hylo
+        --classes 10 --input-size 16 --rec-train ... --rec-val ... --kvstore dist_sync_hylo ...
 
-On GPUs nothing changes but --num-gpus N (and --dtype float16 if wanted).
+LARS wants a larger --lr than SGD (the per-layer step is lr * eta * |w| / |g|). With
+the settings above, 2 workers + 1 server reached 96.4% validation top-1 on the digits
+after 10 epochs with dist_sync_hylo and 97.1% with dist_sync (one seed each).
+
+On GPUs nothing changes but --num-gpus N (and --dtype float16, which needs GPUs:
+MXNet 1.9 has no float16 GEMM on CPU).
 
 Logged (rank 0): every --log-interval batches the throughput (samples/s of this worker
 and of the job), training top-1, learning rate, loss scale and the bytes this worker
@@ -38,6 +44,7 @@ import math
 import os
 import sys
 import time
+import warnings
 
 import mxnet as mx
 import numpy as np
@@ -164,6 +171,9 @@ def _check_args(parser, args):
                  "num_cpus_as_devices"):
         if getattr(args, name) < 1:
             parser.error("--%s must be >= 1" % name.replace("_", "-"))
+    if args.dtype == "float16" and args.num_gpus == 0:
+        parser.error("--dtype float16 needs --num-gpus: MXNet 1.9 has no float16 matrix "
+                     "multiply on CPU ('FP16 gemm on cpu not implemented')")
     if not 0 < args.crop_ratio <= 1:
         parser.error("--crop-ratio must be in (0, 1]")
     if args.resume_epoch < 0 or args.resume_epoch >= args.num_epochs:
@@ -256,6 +266,9 @@ def make_loaders(args, contexts, num_workers, rank):
     else:   # gluoncv's ImageNet recipe
         aug = dict(random_resized_crop=True, min_random_area=0.08, rand_mirror=True,
                    brightness=0.4, contrast=0.4, saturation=0.4, pca_noise=0.1)
+    # RecordLoader warns when the shards give different batch counts; steps_per_epoch()
+    # below already stops every worker after the same number of steps.
+    warnings.filterwarnings("ignore", message=".*synchronous data-parallel workers")
     train = RecordLoader(args.rec_train, args.rec_train_idx, per_worker_batch, shuffle=True,
                          seed=args.seed, num_parts=num_workers, part_index=rank,
                          last_batch="drop", **aug, **common)
@@ -316,14 +329,20 @@ class TrafficMeter:
     """
 
     def __init__(self, kv, net):
-        self.kv = kv
+        self.kv, self.net = kv, net
         self.measured = hasattr(kv, "stats")
+        self.computed = not self.measured and not isinstance(kv, str) and "dist" in kv.type
         self.dense_step = None
-        if not self.measured and not isinstance(kv, str) and "dist" in kv.type:
-            self.dense_step = sum(int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize
-                                  for p in net.collect_params().values()
-                                  if p.grad_req != "null")
         self._last = self._totals()
+
+    def _dense_step(self):
+        # Computed at the first reading, after a forward pass: before it, deferred
+        # initialisation leaves input dimensions unknown (shape 0).
+        if self.dense_step is None:
+            self.dense_step = sum(int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize
+                                  for p in self.net.collect_params().values()
+                                  if p.grad_req != "null")
+        return self.dense_step
 
     def _totals(self):
         if self.measured:
@@ -339,8 +358,8 @@ class TrafficMeter:
             self._last = now
             nsteps = nsteps or 1
             return pushed / nsteps, dense / nsteps, "measured"
-        if self.dense_step is not None:
-            return float(self.dense_step), float(self.dense_step), "computed, dense"
+        if self.computed:
+            return float(self._dense_step()), float(self._dense_step()), "computed, dense"
         return None, None, "no network"
 
     def summary(self):
@@ -348,7 +367,7 @@ class TrafficMeter:
             s = self.kv.stats()
             return {k: s[k] for k in ("steps", "bytes_pushed", "dense_bytes", "ratio",
                                       "compressed_layers_ratio")}
-        return {"bytes_per_step": self.dense_step}
+        return {"bytes_per_step": self._dense_step() if self.computed else None}
 
 
 def format_bytes(b):

@@ -90,32 +90,27 @@ def aggregate_into(key, stored, received):
         if layout.kind == "probe":
             stored[:] = received * 2 + 1      # proves to the workers that we decode
             return
-        out = np.zeros(layout.key_shape, np.float32)
-        out[:, 0] = 1.0                       # header: keep every stored row non-zero
-        rows = received.indices.asnumpy()
-        data = received.data.asnumpy()
         if layout.kind == "topk":
             # The server's sum of the workers' row_sparse pushes is the scatter-add.
-            out[rows, 1:] += data[:, 1:]
+            dense = received.tostype("default")
         else:
-            agg = mx.nd.zeros((layout.size,), dtype=np.float32)
+            rows = received.indices.asnumpy()
+            data = received.data.asnumpy()
+            dense = mx.nd.zeros(layout.key_shape, dtype=np.float32)
+            flat = dense.reshape((-1,))[:layout.size]
             n_words = -(-layout.size // 16)
             for w in range(_num_workers()):
                 lo = w * layout.slot_rows
                 mine = (rows >= lo) & (rows < lo + layout.slot_rows)
                 if not mine.any():
                     _fatal("key %d (%s): worker slot %d is empty" % (key, name, w))
-                slot = data[mine]
-                threshold = float(slot[0, 0])
-                codes = unpack_codes(slot[:, 1:].reshape(-1), n_words)
-                ops.dequantize_2bit(mx.nd.array(codes, dtype=np.int32), threshold,
-                                    (layout.size,), out=agg, accumulate=True)
-            flat = np.zeros(layout.dense_rows * (layout.cols - 1), np.float32)
-            flat[:layout.size] = agg.asnumpy()
-            out[:layout.dense_rows, 1:] = flat.reshape(layout.dense_rows, -1)
-        # every row is non-zero, so this row_sparse copy keeps them all (and MXNet
-        # needs no dense-to-row_sparse fallback copy)
-        stored[:] = mx.nd.array(out).tostype("row_sparse")
+                slot = data[mine].reshape(-1)
+                codes = unpack_codes(slot[1:], n_words)
+                ops.dequantize_2bit(mx.nd.array(codes, dtype=np.int32), float(slot[0]),
+                                    (layout.size,), out=flat, accumulate=True)
+        # List every row, zero rows included, so that pulls find rows by position.
+        stored[:] = mx.nd.sparse.row_sparse_array(
+            (dense, mx.nd.arange(layout.rows, dtype=np.int64)), shape=layout.key_shape)
     except Exception as err:  # noqa: BLE001 - any failure here must end the job loudly
         _fatal("decoding key %d (%s, %s) failed: %r" % (key, name, layout.kind, err))
 

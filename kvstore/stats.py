@@ -20,12 +20,13 @@ class TrafficStats:
             entry = self.layers[plan.name] = {
                 "policy": plan.strategy, "shape": list(plan.shape), "k": plan.k,
                 "rate": plan.rate, "steps": 0, "bytes_pushed": 0, "bytes_pulled": 0,
-                "dense_bytes": 0, "last_bytes": 0}
+                "dense_bytes": 0, "last_bytes": 0, "messages": 0}
         entry["steps"] += 1
         entry["bytes_pushed"] += pushed
         entry["bytes_pulled"] += pulled
         entry["dense_bytes"] += 4 * plan.size
         entry["last_bytes"] = pushed
+        entry["messages"] += messages
         self.messages += messages
         for server, nbytes in (per_server or {}).items():
             self.per_server[server] = self.per_server.get(server, 0) + nbytes

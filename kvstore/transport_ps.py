@@ -11,6 +11,7 @@ of their own.
 """
 import dataclasses
 import os
+import sys
 import zlib
 
 import mxnet as mx
@@ -21,6 +22,29 @@ from .wire import DEFAULT_CHUNK_ELEMENTS, ChunkLayout, pack_codes, plan_chunks
 
 _ROW_ID_BYTES = 8       # row_sparse pushes and pulls carry int64 row ids
 DEFAULT_BUCKET_BYTES = 2 << 20     # = DEFAULT_CHUNK_ELEMENTS float32 values
+
+
+def _leave_at_once_on_uncaught_exception():
+    """An uncaught exception in a worker must end the process.
+
+    Otherwise the interpreter's teardown destroys the dist kvstore, whose destructor
+    waits at a barrier for the other workers, which wait for this one's pushes: the
+    job hangs instead of failing. Print the traceback as usual, then leave.
+    """
+    previous = sys.excepthook
+    if getattr(previous, "mxhylo_fail_fast", False):
+        return
+
+    def fail_fast(exc_type, exc, tb):
+        previous(exc_type, exc, tb)
+        sys.stderr.write("mxhylo: this worker failed; it exits now rather than wait for "
+                         "the other workers at ps-lite's shutdown barrier\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
+
+    fail_fast.mxhylo_fail_fast = True
+    sys.excepthook = fail_fast
 
 
 class PSTransport:
@@ -38,11 +62,13 @@ class PSTransport:
                                "processes (DMLC_ROLE=worker), started by python -m "
                                "mxhylo.launch or MXNet's tools/launch.py")
         self.kv = mx.kv.create("dist_sync")
+        _leave_at_once_on_uncaught_exception()
         self.rank = self.kv.rank
         self.num_workers = self.kv.num_workers
         self.num_servers = int(os.environ["DMLC_NUM_SERVER"])
         self.chunk_elements = int(chunk_elements)
-        self.bucket_elements = int(bucket_bytes) // 4
+        # a bucket stays one key on one server, like a chunk
+        self.bucket_elements = min(int(bucket_bytes) // 4, self.chunk_elements)
         self._bucket_keys = {}    # sequence of hylo keys -> (ps key, ChunkLayout, recv)
         self._next_key = 0
         self._load = [0] * self.num_servers
@@ -131,11 +157,11 @@ class PSTransport:
         if layer.key in self._bcast:
             return
         self._check_same_model(layer)
-        bkey, _ = self._place(4 * layer.plan.size)
+        bkey, _ = self._place(0)      # used once, at init: not part of the steady load
         keys, values = [bkey], [value]
         chunks = []
         for chunk in plan_chunks(layer.plan.strategy, layer.plan.shape, self.num_workers,
-                                 self.chunk_elements):
+                                 self.num_servers, self.chunk_elements):
             pskey, server = self._place(4 * chunk.size)
             chunk = dataclasses.replace(chunk, server=server)
             chunks.append((pskey, chunk))
@@ -144,10 +170,7 @@ class PSTransport:
             if chunk.kind == "dense":
                 values.append(mx.nd.zeros(chunk.key_shape, ctx=mx.cpu()))
             else:
-                # every stored row non-zero (header column): see kvstore.wire
-                init = np.zeros(chunk.key_shape, np.float32)
-                init[:, 0] = 1.0
-                values.append(mx.nd.array(init).tostype("row_sparse"))
+                values.append(self._all_rows(chunk, mx.nd.zeros(chunk.key_shape)))
                 self._pull[pskey] = (
                     mx.nd.sparse.zeros("row_sparse", chunk.key_shape),
                     mx.nd.arange(chunk.dense_rows, dtype=np.int64))
@@ -168,7 +191,8 @@ class PSTransport:
         Uncompressed layers of at most ``bucket_elements`` travel fused into buckets of
         that size (one message each way per bucket, not one per tensor). Returns, per
         item, (bytes pushed, bytes pulled, {server: bytes}, messages) as they go on the
-        wire (payload values and row ids; not ps-lite's own message headers).
+        wire (payload values and row ids; not ps-lite's own message headers); messages
+        counts pushes, each of which has one pull.
         """
         for layer, _, _ in items:
             if layer.key not in self._chunks:
@@ -176,8 +200,8 @@ class PSTransport:
                                "broadcast first" % (layer.key, layer.plan.name))
         fused, alone = [], []
         for i, (layer, payload, _) in enumerate(items):
-            small = payload.strategy == "none" and \
-                layer.plan.size <= min(self.bucket_elements, self.chunk_elements)
+            small = payload.strategy == "none" and len(self._chunks[layer.key]) == 1 \
+                and layer.plan.size <= self.bucket_elements
             (fused if small else alone).append(i)
         buckets = self._buckets([items[i] for i in fused], fused)
         if not self._layouts_sent:
@@ -207,7 +231,7 @@ class PSTransport:
             for i, offset, size in members:
                 out = items[i][2]
                 out.reshape((-1,))[:] = recv[offset:offset + size]
-                count(i, chunk.server, pulled=4 * size, messages=0)
+                count(i, chunk.server, pulled=4 * size)
         for i in alone:
             layer, _, out = items[i]
             flat = out.reshape((-1,))
@@ -218,13 +242,10 @@ class PSTransport:
                 else:
                     buf, row_ids = self._pull[pskey]
                     self.kv.row_sparse_pull(pskey, out=buf, row_ids=row_ids)
-                    rows = buf.data[:, 1:]
-                    if chunk.kind == "topk":
-                        out[chunk.lo:chunk.hi] = rows.reshape((chunk.hi - chunk.lo,) + out.shape[1:])
-                    else:
-                        flat[chunk.lo:chunk.hi] = rows.reshape((-1,))[:chunk.size]
+                    rows = buf.data.reshape((-1,))          # (dense_rows * cols,) row-major
+                    flat[chunk.offset:chunk.offset + chunk.size] = rows[:chunk.size]
                     nbytes = chunk.dense_rows * (4 * chunk.cols + _ROW_ID_BYTES)
-                count(i, chunk.server, pulled=nbytes, messages=1)
+                count(i, chunk.server, pulled=nbytes)
         return [tuple(t) for t in traffic]
 
     def _buckets(self, items, indices):
@@ -287,7 +308,7 @@ class PSTransport:
                 mine = (indices >= c.lo) & (indices < c.hi)
                 rows = indices[mine] - c.lo
                 data = np.zeros((max(len(rows), 1), c.cols), np.float32)
-                data[:len(rows), 1:] = values[mine]
+                data[:len(rows)] = values[mine]
                 if not len(rows):
                     # sync mode waits for every worker's push of a key: a worker with
                     # no filter in this chunk pushes one all-zero row, which adds nothing
@@ -298,17 +319,22 @@ class PSTransport:
         pushes = []
         for _, c in chunks:
             packed = pack_codes(codes[c.lo // 4:4 * -(-c.hi // 16)])
-            body = np.zeros(c.slot_rows * (c.cols - 1), np.float32)
-            body[:len(packed)] = packed
-            data = np.empty((c.slot_rows, c.cols), np.float32)
-            data[:, 0] = threshold
-            data[:, 1:] = body.reshape(c.slot_rows, -1)
+            data = np.zeros(c.slot_rows * c.cols, np.float32)
+            data[0] = threshold
+            data[1:1 + len(packed)] = packed
             rows = self.rank * c.slot_rows + np.arange(c.slot_rows)
             pushes.append(self._row_sparse(c, data, rows))
         return pushes
 
     @staticmethod
     def _row_sparse(chunk, data, rows):
+        data = data.reshape(len(rows), chunk.cols)
         value = mx.nd.sparse.row_sparse_array((data, rows.astype(np.int64)),
                                               shape=chunk.key_shape)
         return value, data.size * 4 + len(rows) * _ROW_ID_BYTES
+
+    @staticmethod
+    def _all_rows(chunk, dense):
+        """``dense`` as a row_sparse array that lists every row, zero rows included."""
+        return mx.nd.sparse.row_sparse_array(
+            (dense, mx.nd.arange(chunk.rows, dtype=np.int64)), shape=chunk.key_shape)

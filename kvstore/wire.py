@@ -5,7 +5,7 @@ payloads are laid out so that this sum does exactly what Hylo's server must do:
 
 * ``dense`` chunks (uncompressed layers): a plain dense key; the server's sum is the
   aggregate.
-* ``topk`` chunks (conv_topk): a row_sparse key of shape (filters, 1 + F); a worker
+* ``topk`` chunks (conv_topk): a row_sparse key of shape (filters, F); a worker
   pushes only the rows of the filters it selected, so the bytes on the wire are the
   compressed size, and the server's sum of row_sparse pushes is the scatter-add
   decode of all workers' payloads.
@@ -13,15 +13,15 @@ payloads are laid out so that this sum does exactly what Hylo's server must do:
   of ``slot_rows`` rows (worker w: rows [w * slot_rows, (w + 1) * slot_rows)) and
   pushes only those rows; the slots do not overlap, so the server's sum gathers every
   worker's payload unchanged, and the server-side decoder (kvstore.server) decodes
-  each slot with that worker's own threshold (carried in column 0 of the slot).
+  each slot with that worker's own threshold (the slot's first value).
   Codes travel as 24-bit integers in float32 values (12 two-bit codes per value):
   every integer below 2**24 is exact in float32, so adding the zeros of other slots
   cannot alter a payload, which raw bit patterns (NaN, denormals) could not promise.
 
-Column 0 of every row_sparse key is a header: the threshold in pushed 2-bit slots,
-and 1.0 in the stored array, because MXNet drops all-zero rows when it converts the
-server's dense result to row_sparse, and its pull reads rows by position.
-The pull returns the dense float32 aggregate in rows [0, dense_rows), columns 1..C-1.
+The server stores the aggregate as a row_sparse array that lists every row explicitly
+(zero rows included: MXNet's dense-to-row_sparse conversion would drop them, and its
+pull reads rows by position); a worker pulls rows [0, dense_rows), which are the
+chunk's dense float32 aggregate, row-major.
 """
 from dataclasses import dataclass
 
@@ -30,9 +30,10 @@ import numpy as np
 # Largest chunk, in gradient elements. MXNet splits keys of 1e6 elements or more over
 # all servers by row ranges, which would cut workers' slots apart; hylo cuts large
 # layers itself, into chunks it places on servers one by one (load balance).
-DEFAULT_CHUNK_ELEMENTS = 1 << 19
-# Data columns of a 2-bit or dense-pull row (the row width is one more: the header).
-ROW_DATA = 1024
+ROW_DATA = 1024                          # columns of a 2-bit chunk's rows
+DEFAULT_CHUNK_ELEMENTS = 976 * ROW_DATA  # a whole number of rows, under 1e6
+# Layers of at least this many elements are spread evenly over all servers.
+DEFAULT_SPLIT_MIN = 1 << 18
 CODES_PER_VALUE = 12          # 24 bits per float32 value
 
 
@@ -43,7 +44,7 @@ class ChunkLayout:
     kind: 'dense' | 'topk' | '2bit' ('probe': the start-up check that a server
     decodes); lo, hi: the piece, in elements of the flat layer
     for dense and 2bit, in filters for topk; size: elements of the piece; cols: row
-    width C (1 header + data); rows: rows of the key; slot_rows: rows per worker's slot
+    width; rows: rows of the key; slot_rows: rows per worker's slot
     (2bit); dense_rows: rows of the pulled aggregate; server: index of the server.
     """
     kind: str
@@ -57,6 +58,11 @@ class ChunkLayout:
     server: int = 0
 
     @property
+    def offset(self):
+        """First element of the piece in the flat layer."""
+        return self.lo * self.cols if self.kind == "topk" else self.lo
+
+    @property
     def key_shape(self):
         return (self.size,) if self.kind in ("dense", "probe") else (self.rows, self.cols)
 
@@ -67,28 +73,43 @@ def two_bit_values(n_elements):
     return -(-words * 32 // 24)
 
 
-def plan_chunks(strategy, shape, num_workers, chunk_elements=DEFAULT_CHUNK_ELEMENTS):
+def _pieces(n, chunk_elements, num_servers, split_min, unit):
+    """Cut n units-aligned elements into near-equal pieces [(lo, hi)].
+
+    At least ceil(n / chunk_elements) pieces; a layer of split_min elements or more
+    is cut into a multiple of num_servers pieces, so that placing them one by one on
+    the least-loaded server gives every server the same share of it.
+    """
+    count = -(-n // chunk_elements)
+    if n >= split_min and num_servers > 1:
+        count = -(-count // num_servers) * num_servers
+    step = -(-n // count)
+    step = -(-step // unit) * unit
+    return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+
+
+def plan_chunks(strategy, shape, num_workers, num_servers=1,
+                chunk_elements=DEFAULT_CHUNK_ELEMENTS, split_min=DEFAULT_SPLIT_MIN):
     """Split a layer into ChunkLayouts (server not yet assigned)."""
     n = int(np.prod(shape)) if shape else 1
     if strategy == "conv_topk":
-        filters, per_filter = shape[0], n // shape[0]
-        step = max(1, chunk_elements // per_filter)
-        return [ChunkLayout("topk", lo, min(lo + step, filters),
-                            (min(lo + step, filters) - lo) * per_filter, cols=1 + per_filter,
-                            rows=min(lo + step, filters) - lo,
-                            dense_rows=min(lo + step, filters) - lo)
-                for lo in range(0, filters, step)]
-    chunk = max(16, (chunk_elements // 16) * 16)     # 2-bit chunks start on a code word
-    pieces = [(lo, min(lo + chunk, n)) for lo in range(0, n, chunk)]
+        per_filter = n // shape[0]
+        return [ChunkLayout("topk", lo // per_filter, hi // per_filter, hi - lo,
+                            cols=per_filter, rows=(hi - lo) // per_filter,
+                            dense_rows=(hi - lo) // per_filter)
+                for lo, hi in _pieces(n, max(chunk_elements, per_filter), num_servers,
+                                      split_min, per_filter)]
+    # 2-bit pieces start on a code word (16 elements)
+    pieces = _pieces(n, chunk_elements, num_servers, split_min, 16)
     if strategy == "none":
         return [ChunkLayout("dense", lo, hi, hi - lo) for lo, hi in pieces]
     layouts = []
     for lo, hi in pieces:
         size = hi - lo
-        data = min(ROW_DATA, size)
-        slot_rows = -(-two_bit_values(size) // data)
-        dense_rows = -(-size // data)
-        layouts.append(ChunkLayout("2bit", lo, hi, size, cols=1 + data,
+        cols = min(ROW_DATA, size)
+        slot_rows = -(-(1 + two_bit_values(size)) // cols)     # threshold, then codes
+        dense_rows = -(-size // cols)
+        layouts.append(ChunkLayout("2bit", lo, hi, size, cols=cols,
                                    rows=max(num_workers * slot_rows, dense_rows),
                                    slot_rows=slot_rows, dense_rows=dense_rows))
     return layouts
@@ -109,8 +130,3 @@ def unpack_codes(values, n_words):
     b = np.empty((len(v), 3), np.uint8)
     b[:, 0], b[:, 1], b[:, 2] = v & 0xFF, (v >> 8) & 0xFF, (v >> 16) & 0xFF
     return b.reshape(-1)[:4 * n_words].view(np.int32)
-
-
-def dense_rows_to_flat(data, size):
-    """Pulled rows (dense_rows, cols) -> the chunk's flat float32 aggregate (size,)."""
-    return data[:, 1:].reshape(-1)[:size]

@@ -51,9 +51,10 @@ def test_hylo_workers_bitwise_identical_and_accuracy_near_dist_sync(tmp_path, di
     assert reports[0]["accuracy"] >= dense_acc - 0.01, (reports[0]["accuracy"], dense_acc)
     assert reports[0]["compressed_layers_ratio"] >= 8
     # Gluon's per-key loop is exchanged as one step: the 8 small tensors share a bucket,
-    # the conv and the dense weight take one key each
-    assert reports[0]["messages_per_step"] == 3
-    assert len(reports[0]["bytes_per_server"]) == 2
+    # the conv takes one key, and the 2 MB dense weight is cut in one piece per server
+    assert reports[0]["messages_per_step"] == 4
+    per_server = sorted(reports[0]["bytes_per_server"].values())
+    assert len(per_server) == 2 and per_server[0] > 0.8 * per_server[1]
 
 
 def test_hylo_without_compression_equals_dist_sync(tmp_path, dist_sync):

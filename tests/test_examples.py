@@ -39,7 +39,7 @@ def digits_rec(tmp_path_factory):
 
 def _data_args(digits_rec):
     return ["--rec-train", digits_rec["train"], "--rec-val", digits_rec["val"],
-            "--classes", "10", "--input-size", "16", "--num-epochs", "1", "-j", "1"]
+            "--classes", "10", "--input-size", "16", "-j", "1"]
 
 
 def test_resnet18_two_workers_one_server_finishes_an_epoch(digits_rec, tmp_path):
@@ -47,7 +47,8 @@ def test_resnet18_two_workers_one_server_finishes_an_epoch(digits_rec, tmp_path)
     accuracy and bytes, a checkpoint with each worker's residuals."""
     cmd = [sys.executable, "-m", "mxhylo.launch", "-n", "2", "-s", "1", "--timeout", "150",
            sys.executable, SCRIPT, "--model", "resnet18_v1b", "--kvstore", "dist_sync_hylo",
-           "--batch-size", "32", "--log-interval", "10", "--lr", "2", "--eta", "0.02",
+           "--num-epochs", "1", "--batch-size", "32", "--log-interval", "10",
+           "--lr", "2", "--eta", "0.02",
            "--save-dir", str(tmp_path), "--json", str(tmp_path / "summary-{rank}.json")]
     rc, log = _run(cmd + _data_args(digits_rec), timeout=180)
     assert rc == 0, log[-4000:]
@@ -75,17 +76,18 @@ def test_one_process_two_cpu_devices_then_resume(digits_rec, tmp_path):
               "--num-cpus-as-devices", "2", "--batch-size", "16", "--log-interval", "0",
               "--lr", "1", "--eta", "0.02", "--lr-mode", "cosine", "--save-dir",
               str(tmp_path)] + _data_args(digits_rec)
+    # The first run trains both epochs; the resumed one repeats epoch 1 from the epoch-0
+    # checkpoint and must land on the same schedule position.
     rc, log = _run(common + ["--num-epochs", "2", "--save-frequency", "1", "--json",
                              str(tmp_path / "first.json")], timeout=150)
-    # the first run trains both epochs; the resumed one repeats epoch 1 from the epoch-0
-    # checkpoint and must land on the same schedule position
     assert rc == 0, log[-4000:]
     first = json.load(open(tmp_path / "first.json"))
     assert [e["epoch"] for e in first["epochs"]] == [0, 1]
     assert "2 device(s)" in log and "kvstore hylo" in log
+    ckpt = str(tmp_path / "imagenet-cifar_resnet20_v1-0")
     rc, log = _run(common + ["--num-epochs", "2", "--resume-epoch", "1",
-                             "--resume-params", str(tmp_path / "imagenet-cifar_resnet20_v1-0.params"),
-                             "--resume-states", str(tmp_path / "imagenet-cifar_resnet20_v1-0.states"),
+                             "--resume-params", ckpt + ".params",
+                             "--resume-states", ckpt + ".states",
                              "--save-dir", str(tmp_path / "resumed"),
                              "--json", str(tmp_path / "resumed.json")], timeout=150)
     assert rc == 0, log[-4000:]

@@ -103,7 +103,7 @@ def run(args):
     report = summarize(args, runs)
     report["study_seconds"] = time.time() - start
     if args.plots_dir:
-        report["plots"] = make_plots(report, runs, args.plots_dir)
+        report["plots"] = make_plots(report, args.plots_dir)
     return report
 
 
@@ -129,6 +129,7 @@ def launch_job(args, mode, seed, tmp):
             ranks.append(json.load(f))
     result = ranks[0]
     result["rank_accuracies"] = [r["accuracy"] for r in ranks]
+    result["rank_checksums"] = [r["param_checksum"] for r in ranks]
     result["job_seconds"] = time.time() - t0
     return result
 
@@ -136,6 +137,7 @@ def launch_job(args, mode, seed, tmp):
 def _spread(values):
     v = np.asarray(values, dtype=float)
     return {"mean": float(v.mean()), "std": float(v.std(ddof=1)) if len(v) > 1 else 0.0,
+            "median": float(np.median(v)),
             "min": float(v.min()), "max": float(v.max()), "values": [float(x) for x in v]}
 
 
@@ -151,6 +153,13 @@ def summarize(args, runs):
             "bytes_pushed_per_step": float(np.mean([r["bytes_per_step"] for r in rs])),
             "job_seconds": _spread([r["job_seconds"] for r in rs]),
             "layers": rs[0]["layers"],
+            # per run: rank 0's curve (the reported one) and every rank's final accuracy
+            # (trainable parameters are identical; BatchNorm statistics are each worker's)
+            "runs": [{"seed": r["seed"], "history": r["history"],
+                      "rank_accuracies": r["rank_accuracies"],
+                      "rank_checksums": r["rank_checksums"],
+                      "workers_identical": len(set(r["rank_checksums"])) == 1}
+                     for r in rs],
         }
         if mode == "hylo":
             modes[mode]["hylo_ratio"] = float(np.mean([r["stats"]["ratio"] for r in rs]))
@@ -159,6 +168,9 @@ def summarize(args, runs):
         "model": "mxhylo.models.digits_net",
         "data": "scikit-learn digits, numpy (1347 train / 450 test)",
         "modes": modes}
+    # seeds whose workers ended with different parameters (a synchronous job must not)
+    report["diverged_runs"] = {m: [r["seed"] for r in v["runs"] if not r["workers_identical"]]
+                               for m, v in modes.items()}
     if "dense" in modes:
         dense = modes["dense"]
         for mode in modes:
@@ -176,7 +188,7 @@ def summarize(args, runs):
     return report
 
 
-def make_plots(report, runs, folder):
+def make_plots(report, folder):
     """docs/accuracy_curves.png (per-mode test accuracy per epoch, mean and min-max band,
     and bytes per step) and docs/hylo_bytes_per_layer.png; returns their paths."""
     import matplotlib
@@ -186,7 +198,8 @@ def make_plots(report, runs, folder):
 
     os.makedirs(folder, exist_ok=True)
     paths = {}
-    modes = report["modes"]
+    # the study's order (a report read back from JSON has its keys sorted)
+    modes = {m: report["modes"][m] for m in MODES if m in report["modes"]}
     cfg = report["config"]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [2, 1]})
     for mode, m in modes.items():
@@ -199,6 +212,7 @@ def make_plots(report, runs, folder):
     low = min(min(m["curve_mean"][len(m["curve_mean"]) // 4:]) for m in modes.values())
     ax.set_ylim(max(0.0, 100 * low - 2), 100.5)
     ax.set_xlabel("epoch")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("test accuracy (%)")
     ax.set_title("digits_net on the digits, %d workers, %d seeds (mean, min-max band)"
                  % (cfg["workers"], cfg["seeds"]), fontsize=10)
@@ -210,8 +224,7 @@ def make_plots(report, runs, folder):
     for rect, v in zip(bars, kb):
         bx.annotate("%.0f kB" % v, (rect.get_x() + rect.get_width() / 2, v),
                     ha="center", va="bottom", fontsize=8)
-    bx.set_yscale("log")
-    bx.set_ylabel("bytes pushed per step per worker (kB, log)")
+    bx.set_ylabel("bytes pushed per step per worker (kB)")
     bx.set_title("gradient payload per step", fontsize=10)
     fig.tight_layout()
     paths["accuracy_curves"] = os.path.join(folder, "accuracy_curves.png")
@@ -228,7 +241,9 @@ def make_plots(report, runs, folder):
         ax.barh(y + 0.2, dense, height=0.4, color="lightgrey", label="dense float32")
         policy_colors = {"none": "tab:gray", "conv_topk": "tab:purple", "fc_2bit": "tab:red"}
         ax.barh(y - 0.2, sent, height=0.4,
-                color=[policy_colors[layers[n]["policy"]] for n in names], label="hylo")
+                color=[policy_colors[layers[n]["policy"]] for n in names])
+        for policy, color in policy_colors.items():   # legend entries only
+            ax.barh([0], [0], color=color, label="hylo: " + policy)
         for yi, n in zip(y, names):
             ax.annotate(" %s, %.1fx" % (layers[n]["policy"], layers[n]["ratio"]),
                         (layers[n]["bytes_per_step"], yi - 0.2), va="center", fontsize=7)
@@ -364,7 +379,11 @@ def worker_main(argv=None):
                          "bytes_per_step": count(n), "dense_bytes_per_step": dense_bytes(n),
                          "ratio": dense_bytes(n) / count(n)} for name, n in sizes.items()}
         per_step = float(sum(count(n) for n in sizes.values()))
+    # Synchronous workers must end with identical trainable parameters: a checksum per
+    # rank lets the study see a worker that drifted.
+    checksum = float(sum(np.abs(a.astype(np.float64)).sum() for a in result["params"].values()))
     report = {"mode": args.mode, "seed": args.seed, "rank": result["rank"],
+              "param_checksum": checksum,
               "workers": result["workers"], "accuracy": result["accuracy"],
               "history": result["history"], "seconds": result["seconds"],
               "bytes_per_step": per_step, "layers": layers,
