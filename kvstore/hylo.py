@@ -24,6 +24,7 @@ whole step in one call (see _pushpull_trainer_step).
 """
 import os
 import sys
+import time
 
 import mxnet as mx
 import numpy as np
@@ -167,22 +168,51 @@ class Hylo(KVStoreBase):
                 return
         keys, values, outs = self._normalize(key, value, out, "pushpull")
         layers = [self._layer(k, vals[0].shape) for k, vals in zip(keys, values)]
+        clock = time.perf_counter()
         pending = []
         for layer, vals in zip(layers, values):                         # 1. reduce, 2. encode
             grad = self._reduce(vals)
             pending.append((layer, layer.compressor.encode(layer.plan, grad, self.memory)))
-        aggregates = [self._aggregate_buffer(layer, payload.arrays[0].context)
-                      for layer, payload in pending]                      # 3. exchange
+        clock = self.traffic.time("encode", clock)
+        aggregates = self._aggregate_into(pending, values, outs)         # 3. exchange
         traffic = self.transport.exchange(
             [(layer, payload, agg) for (layer, payload), agg in zip(pending, aggregates)])
         for (layer, _), (pushed, pulled, per_server, messages) in zip(pending, traffic):
             self.traffic.record(layer.plan, pushed, pulled, messages, per_server)
+        clock = self.traffic.time("exchange", clock)
+        for agg in aggregates:
+            agg.wait_to_read()
+        clock = self.traffic.time("wait", clock)
         for agg, os_ in zip(aggregates, outs):                           # 4. write
             for o in os_:
+                if o is agg:
+                    continue
                 if o.dtype == agg.dtype:
                     agg.copyto(o)
                 else:
                     o[:] = agg.astype(o.dtype)
+        self.traffic.time("write", clock)
+
+    def _aggregate_into(self, pending, values, outs):
+        """Where each key's float32 aggregate is assembled.
+
+        Its first output itself when that is float32 on the right device and no output
+        of this call is another key's input (an in-process decode of key A into an
+        array that key B still has to read would change B's input); a buffer otherwise.
+        """
+        inputs = [{v.handle.value for v in vals} for vals in values]
+        every_input = set().union(*inputs) if inputs else set()
+        aliased = any(o.handle.value in every_input - mine
+                      for os_, mine in zip(outs, inputs) for o in os_)
+        aggregates = []
+        for (layer, payload), os_ in zip(pending, outs):
+            ctx = payload.arrays[0].context
+            first = os_[0]
+            if not aliased and first.dtype == np.float32 and first.context == ctx:
+                aggregates.append(first)
+            else:
+                aggregates.append(self._aggregate_buffer(layer, ctx))
+        return aggregates
 
     def _pushpull_trainer_step(self, trainer, key):
         """Gluon's Trainer pushes one key per call; exchange its whole step at once.

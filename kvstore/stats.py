@@ -1,4 +1,5 @@
 """Traffic accounting of a hylo store: what kv.stats() returns."""
+import time
 
 
 class TrafficStats:
@@ -12,6 +13,7 @@ class TrafficStats:
         self.layers = {}
         self.per_server = {}
         self.messages = 0
+        self.seconds = {}
 
     def record(self, plan, pushed, pulled, messages=1, per_server=None):
         """Account one exchange of layer ``plan``: ``pushed``/``pulled`` bytes."""
@@ -30,6 +32,12 @@ class TrafficStats:
         self.messages += messages
         for server, nbytes in (per_server or {}).items():
             self.per_server[server] = self.per_server.get(server, 0) + nbytes
+
+    def time(self, phase, since):
+        """Add the seconds since ``since`` (time.perf_counter) to ``phase``; returns now."""
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - since
+        return now
 
     def as_dict(self):
         layers = {}
@@ -53,5 +61,9 @@ class TrafficStats:
             "messages": self.messages,
             "messages_per_step": self.messages / steps if steps else 0.0,
             "bytes_per_server": dict(self.per_server),
+            # wall seconds per step of each phase of pushpull: encode (reduce, residual,
+            # compress), exchange (pack, issue pushes and pulls), wait (until every
+            # aggregate is in: network and server decode), write (copy to the outputs)
+            "timing": {k: v / steps for k, v in self.seconds.items()} if steps else {},
             "layers": layers,
         }

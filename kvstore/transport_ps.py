@@ -232,6 +232,7 @@ class PSTransport:
                 out = items[i][2]
                 out.reshape((-1,))[:] = recv[offset:offset + size]
                 count(i, chunk.server, pulled=4 * size)
+        pulled_rows = []
         for i in alone:
             layer, _, out = items[i]
             flat = out.reshape((-1,))
@@ -242,10 +243,14 @@ class PSTransport:
                 else:
                     buf, row_ids = self._pull[pskey]
                     self.kv.row_sparse_pull(pskey, out=buf, row_ids=row_ids)
-                    rows = buf.data.reshape((-1,))          # (dense_rows * cols,) row-major
-                    flat[chunk.offset:chunk.offset + chunk.size] = rows[:chunk.size]
+                    pulled_rows.append((flat, chunk, buf))
                     nbytes = chunk.dense_rows * (4 * chunk.cols + _ROW_ID_BYTES)
                 count(i, chunk.server, pulled=nbytes)
+        # Only now touch the pulled rows: reading a row_sparse array's data waits for
+        # its pull, and every pull should be on its way before the first wait.
+        for flat, chunk, buf in pulled_rows:
+            rows = buf.data.reshape((-1,))                  # (dense_rows * cols,) row-major
+            flat[chunk.offset:chunk.offset + chunk.size] = rows[:chunk.size]
         return [tuple(t) for t in traffic]
 
     def _buckets(self, items, indices):

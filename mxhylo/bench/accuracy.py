@@ -40,6 +40,16 @@ hylo would push: about 6.7x less than dense (estimated from the policy), under t
 8x this study checks. digits_net exercises all three policies (none, conv_topk,
 fc_2bit), and is the net every other digits result of the project uses.
 
+Reported accuracy is rank 0's (every rank's is in the JSON). Each worker also
+reports a checksum of its trainable parameters, which synchronous workers must share;
+``diverged_runs`` lists the seeds where they did not. Seen here: 2 of 18 checksummed
+native runs (dense seed 0 and 2bit seed 2 of one study, on a loaded machine) ended with
+workers holding different parameters and lower accuracy (96.9%, 95.8%); two
+earlier dense runs, before the checksum, ended as low (96.0%, 66.6%), probably the
+same way. No hylo run diverged (its servers hand every worker the same decoded
+aggregate). The cause, somewhere in
+MXNet's native dist_sync path, was not found; rerun a study that lists any.
+
 Bytes pushed per step, per worker: hylo counts what its transport really pushed
 (``kv.stats()``); dense is 4 bytes per gradient element; 2-bit is computed from
 MXNet's packing: every float32 dense key is compressed whatever its size (no
@@ -77,7 +87,8 @@ def add_arguments(parser):
                         help="2bit mode: MXNet's quantization threshold (2.0, the best of "
                              "0.02..4 on one seed; see the module docstring)")
     parser.add_argument("--plots-dir", default="docs",
-                        help="where the PNG plots go ('' : no plots) (default docs)")
+                        help="folder for the PNG plots, relative to the current "
+                             "directory ('' : no plots) (default docs)")
     parser.add_argument("--job-timeout", type=float, default=300,
                         help="seconds before one training job is stopped (300)")
 
