@@ -168,16 +168,22 @@ class Hylo(KVStoreBase):
                 return
         keys, values, outs = self._normalize(key, value, out, "pushpull")
         layers = [self._layer(k, vals[0].shape) for k, vals in zip(keys, values)]
+        aggregates = self._aggregate_into(layers, values, outs)
+        encoded = []
+
+        def encode_each():                                  # 1. reduce, 2. encode
+            # a generator: the transport pushes each layer as soon as it is encoded
+            for layer, vals, agg in zip(layers, values, aggregates):
+                clock = time.perf_counter()
+                grad = self._reduce(vals)
+                payload = layer.compressor.encode(layer.plan, grad, self.memory)
+                self.traffic.time("encode", clock)
+                encoded.append((layer, payload))
+                yield layer, payload, agg
+
         clock = time.perf_counter()
-        pending = []
-        for layer, vals in zip(layers, values):                         # 1. reduce, 2. encode
-            grad = self._reduce(vals)
-            pending.append((layer, layer.compressor.encode(layer.plan, grad, self.memory)))
-        clock = self.traffic.time("encode", clock)
-        aggregates = self._aggregate_into(pending, values, outs)         # 3. exchange
-        traffic = self.transport.exchange(
-            [(layer, payload, agg) for (layer, payload), agg in zip(pending, aggregates)])
-        for (layer, _), (pushed, pulled, per_server, messages) in zip(pending, traffic):
+        traffic = self.transport.exchange(encode_each())                 # 3. exchange
+        for (layer, _), (pushed, pulled, per_server, messages) in zip(encoded, traffic):
             self.traffic.record(layer.plan, pushed, pulled, messages, per_server)
         clock = self.traffic.time("exchange", clock)
         for agg in aggregates:
@@ -193,20 +199,21 @@ class Hylo(KVStoreBase):
                     o[:] = agg.astype(o.dtype)
         self.traffic.time("write", clock)
 
-    def _aggregate_into(self, pending, values, outs):
+    def _aggregate_into(self, layers, values, outs):
         """Where each key's float32 aggregate is assembled.
 
-        Its first output itself when that is float32 on the right device and no output
-        of this call is another key's input (an in-process decode of key A into an
-        array that key B still has to read would change B's input); a buffer otherwise.
+        Its first output itself when that is float32 on the first value's device and no
+        output of this call is another key's input (an in-process decode of key A into
+        an array that key B still has to read would change B's input); a buffer
+        otherwise.
         """
         inputs = [{v.handle.value for v in vals} for vals in values]
         every_input = set().union(*inputs) if inputs else set()
         aliased = any(o.handle.value in every_input - mine
                       for os_, mine in zip(outs, inputs) for o in os_)
         aggregates = []
-        for (layer, payload), os_ in zip(pending, outs):
-            ctx = payload.arrays[0].context
+        for layer, vals, os_ in zip(layers, values, outs):
+            ctx = vals[0].context
             first = os_[0]
             if not aliased and first.dtype == np.float32 and first.context == ctx:
                 aggregates.append(first)

@@ -194,20 +194,10 @@ class PSTransport:
         wire (payload values and row ids; not ps-lite's own message headers); messages
         counts pushes, each of which has one pull.
         """
-        for layer, _, _ in items:
-            if layer.key not in self._chunks:
-                raise KeyError("key %r (%s) was pushed before being initialised: call "
-                               "broadcast first" % (layer.key, layer.plan.name))
-        fused, alone = [], []
-        for i, (layer, payload, _) in enumerate(items):
-            small = payload.strategy == "none" and len(self._chunks[layer.key]) == 1 \
-                and layer.plan.size <= self.bucket_elements
-            (fused if small else alone).append(i)
-        buckets = self._buckets([items[i] for i in fused], fused)
         if not self._layouts_sent:
             self.kv.set_optimizer(ServerDecoder(self._layouts))
             self._layouts_sent = True
-        traffic = [[0, 0, {}, 0] for _ in items]
+        traffic = []
 
         def count(i, server, pushed=0, pulled=0, messages=0):
             t = traffic[i]
@@ -216,16 +206,34 @@ class PSTransport:
             t[2][server] = t[2].get(server, 0) + pushed + pulled
             t[3] += messages
 
-        for pskey, chunk, members, send, _ in buckets:                       # push
-            self.kv.push(pskey, send)
-            for n, (i, _, size) in enumerate(members):
-                count(i, chunk.server, pushed=4 * size, messages=int(n == 0))
-        for i in alone:
-            layer, payload, _ = items[i]
+        # Push each layer as it comes (items may be a generator that encodes on demand,
+        # so the servers start decoding while later layers are still being encoded);
+        # small uncompressed layers wait for their bucket.
+        materialized, fused, alone = [], [], []
+        for i, (layer, payload, out) in enumerate(items):
+            if layer.key not in self._chunks:
+                raise KeyError("key %r (%s) was pushed before being initialised: call "
+                               "broadcast first" % (layer.key, layer.plan.name))
+            materialized.append((layer, payload, out))
+            traffic.append([0, 0, {}, 0])
+            if payload.strategy == "none" and len(self._chunks[layer.key]) == 1 \
+                    and layer.plan.size <= self.bucket_elements:
+                fused.append(i)
+                continue
+            alone.append(i)
             for (pskey, chunk), (value, nbytes) in zip(self._chunks[layer.key],
                                                        self._encode_pushes(layer, payload)):
                 self.kv.push(pskey, value)
                 count(i, chunk.server, pushed=nbytes, messages=1)
+        items = materialized
+        buckets = self._buckets([items[i] for i in fused], fused)
+        if not self._layouts_sent:      # a new bucket key
+            self.kv.set_optimizer(ServerDecoder(self._layouts))
+            self._layouts_sent = True
+        for pskey, chunk, members, send, _ in buckets:
+            self.kv.push(pskey, send)
+            for n, (i, _, size) in enumerate(members):
+                count(i, chunk.server, pushed=4 * size, messages=int(n == 0))
         for pskey, chunk, members, send, recv in buckets:                    # pull
             self.kv.pull(pskey, out=recv)
             for i, offset, size in members:

@@ -61,6 +61,7 @@ def test_hylo_without_compression_equals_dist_sync(tmp_path, dist_sync):
     params, _, _ = launch(tmp_path, "off", "--kvstore", "dist_sync_hylo",
                           "--policy", json.dumps({".*": "none"}))
     assert_same(params[0], params[1])
+    assert_same(dist_sync[0][0], dist_sync[0][1])
     assert_same(params[0], dist_sync[0][0])
 
 
