@@ -207,9 +207,10 @@ class PSTransport:
             t[3] += messages
 
         # Push each layer as it comes (items may be a generator that encodes on demand,
-        # so the servers start decoding while later layers are still being encoded);
-        # small uncompressed layers wait for their bucket.
-        materialized, fused, alone = [], [], []
+        # so the servers start decoding while later layers are still being encoded) and
+        # ask for its aggregate right away (a pull waits for the servers' update, in the
+        # engine, not here); small uncompressed layers wait for their bucket.
+        materialized, fused, pulled_rows = [], [], []
         for i, (layer, payload, out) in enumerate(items):
             if layer.key not in self._chunks:
                 raise KeyError("key %r (%s) was pushed before being initialised: call "
@@ -220,29 +221,10 @@ class PSTransport:
                     and layer.plan.size <= self.bucket_elements:
                 fused.append(i)
                 continue
-            alone.append(i)
             for (pskey, chunk), (value, nbytes) in zip(self._chunks[layer.key],
                                                        self._encode_pushes(layer, payload)):
                 self.kv.push(pskey, value)
                 count(i, chunk.server, pushed=nbytes, messages=1)
-        items = materialized
-        buckets = self._buckets([items[i] for i in fused], fused)
-        if not self._layouts_sent:      # a new bucket key
-            self.kv.set_optimizer(ServerDecoder(self._layouts))
-            self._layouts_sent = True
-        for pskey, chunk, members, send, _ in buckets:
-            self.kv.push(pskey, send)
-            for n, (i, _, size) in enumerate(members):
-                count(i, chunk.server, pushed=4 * size, messages=int(n == 0))
-        for pskey, chunk, members, send, recv in buckets:                    # pull
-            self.kv.pull(pskey, out=recv)
-            for i, offset, size in members:
-                out = items[i][2]
-                out.reshape((-1,))[:] = recv[offset:offset + size]
-                count(i, chunk.server, pulled=4 * size)
-        pulled_rows = []
-        for i in alone:
-            layer, _, out = items[i]
             flat = out.reshape((-1,))
             for pskey, chunk in self._chunks[layer.key]:
                 if chunk.kind == "dense":
@@ -254,6 +236,18 @@ class PSTransport:
                     pulled_rows.append((flat, chunk, buf))
                     nbytes = chunk.dense_rows * (4 * chunk.cols + _ROW_ID_BYTES)
                 count(i, chunk.server, pulled=nbytes)
+        items = materialized
+        buckets = self._buckets([items[i] for i in fused], fused)
+        if not self._layouts_sent:      # a new bucket key
+            self.kv.set_optimizer(ServerDecoder(self._layouts))
+            self._layouts_sent = True
+        for pskey, chunk, members, send, recv in buckets:
+            self.kv.push(pskey, send)
+            self.kv.pull(pskey, out=recv)
+            for n, (i, offset, size) in enumerate(members):
+                items[i][2].reshape((-1,))[:] = recv[offset:offset + size]
+                count(i, chunk.server, pushed=4 * size, pulled=4 * size,
+                      messages=int(n == 0))
         # Only now touch the pulled rows: reading a row_sparse array's data waits for
         # its pull, and every pull should be on its way before the first wait.
         for flat, chunk, buf in pulled_rows:
