@@ -663,6 +663,80 @@ void fold_rows(const T* g, float* r, int64_t F, int64_t o0, int64_t o1, double* 
   *bad_out = static_cast<double>(bad);
 }
 
+#if defined(__AVX512F__)
+// AVX-512 version of fold_rows: one pass, 16 elements a step, no L1 buffers
+// (the portable loops measured 0.55x memcpy on 64 MB, this 1.0x; 1.7x-2x
+// the portable speed in cache). A row's eight float64 lanes are exactly the
+// eight lanes of fold_rows (element j goes to lane j % 8, in order of j), and
+// fma(v, v, acc) equals acc + v * v because the square of a float is exact in
+// float64: the norms, and so the selection, are bitwise those of fold_rows.
+
+// Elements [j, j + 16) of one row (lanes >= left, on the last step only, load
+// as 0: finite, add 0). Returns the mask of non-finite elements.
+template <typename T, bool kFull>
+inline unsigned fold16(const T* g, float* r, int64_t left, __m512d* acc) {
+  const __mmask16 live = kFull ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+  const __m512 r0 = kFull ? _mm512_loadu_ps(r) : _mm512_maskz_loadu_ps(live, r);
+  const __m512 a = _mm512_add_ps(load16(g, kFull ? 16 : left, live), r0);
+  const __mmask16 fin =
+      _mm512_cmp_ps_mask(_mm512_abs_ps(a), _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ);
+  const __m512 upd = _mm512_mask_mov_ps(r0, fin, a);  // non-finite: old residual
+  if (kFull)
+    _mm512_storeu_ps(r, upd);
+  else
+    _mm512_mask_storeu_ps(r, live, upd);
+  const __m512 z = _mm512_maskz_mov_ps(fin, a);  // non-finite: 0
+  const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(z));
+  const __m512d hi =
+      _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)));
+  *acc = _mm512_fmadd_pd(lo, lo, *acc);  // elements j .. j+7 -> lanes 0..7
+  *acc = _mm512_fmadd_pd(hi, hi, *acc);  // elements j+8 .. j+15 -> lanes 0..7
+  return static_cast<unsigned>(live & ~fin);
+}
+
+template <typename T>
+void fold_rows_avx512(const T* g, float* r, int64_t F, int64_t o0, int64_t o1, double* norm2,
+                      double* bad_out, std::vector<BadRow>* bad_rows) {
+  // The non-finite mask of each step goes to nb[step]: a branch or a call in
+  // the loop made GCC keep the accumulator in memory (2x slower). Rows that
+  // had any (rare: the caller raises on them) get their BadRow afterwards.
+  const int64_t steps = (F + 15) / 16;
+  std::vector<uint16_t> nb(steps);
+  int64_t bad = 0;
+  for (int64_t o = o0; o < o1; ++o) {
+    const T* gr = g + o * F;
+    float* rr = r + o * F;
+    __m512d acc = _mm512_setzero_pd();
+    unsigned any = 0;
+    int64_t j = 0, s = 0;
+    for (; j + 16 <= F; j += 16, ++s) {
+      const unsigned m = fold16<T, true>(gr + j, rr + j, 16, &acc);
+      nb[s] = static_cast<uint16_t>(m);
+      any |= m;
+    }
+    if (j < F) {
+      const unsigned m = fold16<T, false>(gr + j, rr + j, F - j, &acc);
+      nb[s] = static_cast<uint16_t>(m);
+      any |= m;
+    }
+    double l[8];
+    _mm512_storeu_pd(l, acc);
+    norm2[o] = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+    if (!any) continue;
+    BadRow br;
+    br.row = o;
+    br.mask.assign((F + 63) / 64, 0);
+    for (int64_t t = 0; t < steps; ++t) {
+      const uint64_t m = nb[t];
+      bad += __builtin_popcountll(m);
+      br.mask[t >> 2] |= m << (16 * (t & 3));  // elements 16t .. 16t+15
+    }
+    bad_rows->push_back(std::move(br));
+  }
+  *bad_out = static_cast<double>(bad);
+}
+#endif
+
 template <typename T>
 void select_all(const T* g, float* r, int64_t O, int64_t F, int64_t k, int32_t* indices,
                 float* values, float* stats) {
@@ -671,6 +745,12 @@ void select_all(const T* g, float* r, int64_t O, int64_t F, int64_t k, int32_t* 
   std::vector<double> bad(nt, 0.0);
   std::vector<std::vector<BadRow> > bad_rows(nt);
   parallel_ranges(O, nt, [&](int tid, int64_t b, int64_t e) {
+#if defined(__AVX512F__)
+    if (g_simd) {
+      fold_rows_avx512<T>(g, r, F, b, e, norm2.data(), &bad[tid], &bad_rows[tid]);
+      return;
+    }
+#endif
     fold_rows<T>(g, r, F, b, e, norm2.data(), &bad[tid], &bad_rows[tid]);
   });
   double total = 0.0, nbad = 0.0;
