@@ -7,8 +7,9 @@ numpy's np.copyto of a float32 array of the same size, timed right before
 each timed C++ call (the machine may be shared: interleaving makes both see
 the same load, so the ratio stays meaningful). The C++ path is timed for
 each --threads value (0 = OpenMP's default: OMP_NUM_THREADS, else MXNet's
-choice), and where the library has AVX-512 kernels (quantize, l1_stats) also
-with them switched off (cpp_portable_gbps: the auto-vectorised loops).
+choice), and where the library has AVX-512 kernels (quantize, l1_stats,
+select_kernels) also with them switched off (cpp_portable_gbps: the
+auto-vectorised loops).
 The ratios use the best C++ figure.
 
 Operators and data: gradient ~ N(0, scale) float32 of --size elements
@@ -28,7 +29,7 @@ import numpy as np
 
 
 # Operators with an AVX-512 kernel beside the portable loop: both are timed.
-SIMD_OPS = ("quantize_2bit", "quantize_2bit_fp16", "l1_stats")
+SIMD_OPS = ("quantize_2bit", "quantize_2bit_fp16", "l1_stats", "select_kernels")
 
 
 def add_arguments(parser):
