@@ -18,7 +18,7 @@ import mxnet as mx
 import numpy as np
 
 from .server import ServerDecoder
-from .wire import DEFAULT_CHUNK_ELEMENTS, ChunkLayout, pack_codes, plan_chunks
+from .wire import DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, ChunkLayout, pack_codes, plan_chunks
 
 _ROW_ID_BYTES = 8       # row_sparse pushes and pulls carry int64 row ids
 DEFAULT_BUCKET_BYTES = 2 << 20     # = DEFAULT_CHUNK_ELEMENTS float32 values
@@ -53,10 +53,12 @@ class PSTransport:
     chunk_elements: the largest piece of a layer in one parameter-server key.
     bucket_bytes: uncompressed layers pushed in one pushpull call travel fused into
       buckets of up to this many bytes (float32).
+    split_elements: layers of at least this many elements are cut into a multiple of
+      the number of servers, so every server carries the same share of them.
     """
 
     def __init__(self, chunk_elements=DEFAULT_CHUNK_ELEMENTS,
-                 bucket_bytes=DEFAULT_BUCKET_BYTES):
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, split_elements=DEFAULT_SPLIT_MIN):
         if os.environ.get("DMLC_ROLE") != "worker":
             raise RuntimeError("the hylo parameter-server transport runs in MXNet worker "
                                "processes (DMLC_ROLE=worker), started by python -m "
@@ -67,6 +69,7 @@ class PSTransport:
         self.num_workers = self.kv.num_workers
         self.num_servers = int(os.environ["DMLC_NUM_SERVER"])
         self.chunk_elements = int(chunk_elements)
+        self.split_elements = int(split_elements)
         # a bucket stays one key on one server, like a chunk
         self.bucket_elements = min(int(bucket_bytes) // 4, self.chunk_elements)
         self._bucket_keys = {}    # sequence of hylo keys -> (ps key, ChunkLayout, recv)
@@ -161,7 +164,8 @@ class PSTransport:
         keys, values = [bkey], [value]
         chunks = []
         for chunk in plan_chunks(layer.plan.strategy, layer.plan.shape, self.num_workers,
-                                 self.num_servers, self.chunk_elements):
+                                 self.num_servers, self.chunk_elements,
+                                 self.split_elements):
             pskey, server = self._place(4 * chunk.size)
             chunk = dataclasses.replace(chunk, server=server)
             chunks.append((pskey, chunk))
@@ -207,10 +211,10 @@ class PSTransport:
             t[3] += messages
 
         # Push each layer as it comes (items may be a generator that encodes on demand,
-        # so the servers start decoding while later layers are still being encoded) and
-        # ask for its aggregate right away (a pull waits for the servers' update, in the
-        # engine, not here); small uncompressed layers wait for their bucket.
-        materialized, fused, pulled_rows = [], [], []
+        # so the servers start decoding while later layers are still being encoded);
+        # small uncompressed layers wait for their bucket. Pulls follow every push: a
+        # pull queued behind this worker's pushes on the same connection would wait.
+        materialized, fused, alone, pulled_rows = [], [], [], []
         for i, (layer, payload, out) in enumerate(items):
             if layer.key not in self._chunks:
                 raise KeyError("key %r (%s) was pushed before being initialised: call "
@@ -221,10 +225,20 @@ class PSTransport:
                     and layer.plan.size <= self.bucket_elements:
                 fused.append(i)
                 continue
+            alone.append(i)
             for (pskey, chunk), (value, nbytes) in zip(self._chunks[layer.key],
                                                        self._encode_pushes(layer, payload)):
                 self.kv.push(pskey, value)
                 count(i, chunk.server, pushed=nbytes, messages=1)
+        items = materialized
+        buckets = self._buckets([items[i] for i in fused], fused)
+        if not self._layouts_sent:      # a new bucket key
+            self.kv.set_optimizer(ServerDecoder(self._layouts))
+            self._layouts_sent = True
+        for pskey, chunk, members, send, _ in buckets:
+            self.kv.push(pskey, send)
+        for i in alone:
+            layer, _, out = items[i]
             flat = out.reshape((-1,))
             for pskey, chunk in self._chunks[layer.key]:
                 if chunk.kind == "dense":
@@ -236,13 +250,7 @@ class PSTransport:
                     pulled_rows.append((flat, chunk, buf))
                     nbytes = chunk.dense_rows * (4 * chunk.cols + _ROW_ID_BYTES)
                 count(i, chunk.server, pulled=nbytes)
-        items = materialized
-        buckets = self._buckets([items[i] for i in fused], fused)
-        if not self._layouts_sent:      # a new bucket key
-            self.kv.set_optimizer(ServerDecoder(self._layouts))
-            self._layouts_sent = True
         for pskey, chunk, members, send, recv in buckets:
-            self.kv.push(pskey, send)
             self.kv.pull(pskey, out=recv)
             for n, (i, offset, size) in enumerate(members):
                 items[i][2].reshape((-1,))[:] = recv[offset:offset + size]
