@@ -37,9 +37,23 @@ def assert_same(a, b, exact=True):
             np.testing.assert_allclose(a[name], b[name], rtol=1e-5, err_msg=name)
 
 
+def _identical(a, b):
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
 @pytest.fixture(scope="module")
 def dist_sync(tmp_path_factory):
-    return launch(tmp_path_factory.mktemp("dense"), "dense", "--kvstore", "dist_sync")
+    """A plain dist_sync run whose two workers agree.
+
+    MXNet's own dist_sync now and then ends with workers holding different parameters
+    (seen in 2 of 18 runs of the accuracy study, never with hylo): such a run cannot
+    serve as the reference, so it is run again, at most three times in all.
+    """
+    for attempt in range(3):
+        run = launch(tmp_path_factory.mktemp("dense"), "dense", "--kvstore", "dist_sync")
+        if _identical(run[0][0], run[0][1]):
+            return run
+    pytest.fail("MXNet's dist_sync left its workers with different parameters 3 times")
 
 
 def test_hylo_workers_bitwise_identical_and_accuracy_near_dist_sync(tmp_path, dist_sync):
@@ -61,7 +75,6 @@ def test_hylo_without_compression_equals_dist_sync(tmp_path, dist_sync):
     params, _, _ = launch(tmp_path, "off", "--kvstore", "dist_sync_hylo",
                           "--policy", json.dumps({".*": "none"}))
     assert_same(params[0], params[1])
-    assert_same(dist_sync[0][0], dist_sync[0][1])
     assert_same(params[0], dist_sync[0][0])
 
 
