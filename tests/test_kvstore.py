@@ -223,7 +223,8 @@ def test_default_compression_trains_digits_like_uncompressed():
     kv = mxhylo.create()
     hylo = train(kvstore=kv, contexts=CTX2, epochs=10, seed=0)
     assert dense["accuracy"] > 0.95
-    assert abs(hylo["accuracy"] - dense["accuracy"]) <= 0.01, (hylo["accuracy"], dense["accuracy"])
+    # Hylo's promise is an accuracy loss below 1 point (here it comes out 0.7 ahead)
+    assert hylo["accuracy"] >= dense["accuracy"] - 0.01, (hylo["accuracy"], dense["accuracy"])
     stats = kv.stats()
     policies = {layer["policy"] for layer in stats["layers"].values()}
     assert policies == {"none", "conv_topk", "fc_2bit"}
