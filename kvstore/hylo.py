@@ -32,7 +32,7 @@ from mxnet.kvstore import KVStoreBase
 
 from .compressors import make_compressors
 from .memory import ResidualMemory
-from .policy import LayerPolicy
+from .policy import LayerPolicy, compress_pull_mode
 from .stats import TrafficStats
 from .transport_local import LocalTransport
 from . import active
@@ -72,6 +72,10 @@ class Hylo(KVStoreBase):
       policy: dict of name regex -> 'conv_topk' | 'fc_2bit' | 'none', tried in order.
       max_conv_rate, min_conv_rate: bounds of the adaptive conv rate.
       threshold_scale: the 2-bit threshold is this times mean |gradient + residual|.
+      compress_pull: how the servers return compressed layers' aggregates: False (dense
+        float32), True / 'layer' (encoded with the layer's own codec family, the
+        servers keeping what they do not send in residuals of their own), or '2bit'
+        (every compressed layer's aggregate as 2-bit); kvstore.policy.compress_pull_mode.
       transport: 'auto' (the parameter server when this process is an MXNet worker,
         DMLC_ROLE=worker; in-process otherwise), 'local' or 'ps'.
       chunk_elements, bucket_bytes: parameter-server transport options (largest piece
@@ -80,11 +84,14 @@ class Hylo(KVStoreBase):
     kv_type = "hylo"
 
     def __init__(self, size_threshold=8192, conv_rate=None, policy=None, max_conv_rate=0.1,
-                 min_conv_rate=0.01, threshold_scale=1.0, transport="auto", **transport_options):
+                 min_conv_rate=0.01, threshold_scale=1.0, compress_pull=False,
+                 transport="auto", **transport_options):
         self.policy = LayerPolicy(size_threshold=size_threshold, conv_rate=conv_rate,
                                   policy=policy, max_conv_rate=max_conv_rate,
                                   min_conv_rate=min_conv_rate, threshold_scale=threshold_scale)
         self.compressors = make_compressors(threshold_scale)
+        self.compress_pull = compress_pull_mode(compress_pull)
+        self.threshold_scale = float(threshold_scale)
         self.memory = ResidualMemory()
         self.traffic = TrafficStats()
         self._layers = {}
@@ -101,10 +108,11 @@ class Hylo(KVStoreBase):
             if options:
                 raise TypeError("unknown options for the in-process hylo store: %s"
                                 % ", ".join(sorted(options)))
-            return LocalTransport()
+            return LocalTransport(self.compress_pull, self.threshold_scale)
         if transport == "ps":
             from .transport_ps import PSTransport
-            return PSTransport(**options)
+            return PSTransport(compress_pull=self.compress_pull,
+                               threshold_scale=self.threshold_scale, **options)
         raise ValueError("transport must be 'auto', 'local' or 'ps', got %r" % (transport,))
 
     # -- KVStoreBase contract ------------------------------------------------------------
@@ -248,7 +256,7 @@ class Hylo(KVStoreBase):
         rate, bytes (pushed in all), last_bytes (last step), dense_bytes, ratio."""
         out = self.traffic.as_dict()
         out.update(type=self.type, rank=self.rank, num_workers=self.num_workers,
-                   options=self.policy.options())
+                   options=dict(self.policy.options(), compress_pull=self.compress_pull))
         return out
 
     def plans(self):
@@ -256,12 +264,35 @@ class Hylo(KVStoreBase):
         return {layer.plan.name: layer.plan for layer in self._layers.values()}
 
     def save_residuals(self, fname):
-        """Save this worker's residuals and codec state (part of a checkpoint)."""
-        self.memory.save(fname)
+        """Save this worker's residuals and codec state, and with compress_pull the
+        servers' (part of a checkpoint). Distributed, every worker calls it at the same
+        point of training, as it calls pushpull: the servers' state is pulled then."""
+        state = self.memory.state_dict()
+        for name, (residual, thresholds) in self.transport.server_state().items():
+            state[_SERVER_RESIDUAL + name] = mx.nd.array(residual, dtype=np.float32)
+            state[_SERVER_THRESHOLDS + name] = mx.nd.array(
+                [np.nan if t is None else t for t in thresholds] or [np.nan],
+                dtype=np.float64)
+        mx.nd.save(fname, state)
 
     def load_residuals(self, fname):
-        """Restore what save_residuals wrote (before the next pushpull)."""
-        self.memory.load(fname)
+        """Restore what save_residuals wrote (before the next pushpull); distributed,
+        every worker loads its own file and the servers' state comes back with the next
+        exchange."""
+        state = mx.nd.load(fname)
+        # mx.nd.save of an empty dict loads back as an empty list
+        state = state if isinstance(state, dict) else {}
+        server = {}
+        for key in [k for k in state if k.startswith(_SERVER_RESIDUAL)]:
+            name = key[len(_SERVER_RESIDUAL):]
+            thresholds = state.pop(_SERVER_THRESHOLDS + name).asnumpy()
+            server[name] = (state.pop(key).asnumpy(),
+                            [None if np.isnan(t) else float(t) for t in thresholds])
+        if server and self.compress_pull is None:
+            raise ValueError("%s holds the servers' residuals of a compressed-pull run; "
+                             "create the store with the same compress_pull option" % fname)
+        self.memory.load_state_dict(state)
+        self.transport.load_server_state(server)
 
     # -- internals -----------------------------------------------------------------------
 
@@ -329,6 +360,11 @@ class Hylo(KVStoreBase):
             agg = self._aggregates[layer.key] = mx.nd.zeros(layer.plan.shape, ctx=ctx,
                                                             dtype=np.float32)
         return agg
+
+
+# checkpoint entries of the servers' state (compress_pull), beside ResidualMemory's
+_SERVER_RESIDUAL = "server_residual/"
+_SERVER_THRESHOLDS = "server_thresholds/"
 
 
 class DistSyncHylo(Hylo):

@@ -32,12 +32,20 @@ class ResidualMemory:
             res = self._residuals[name] = res.as_in_context(like.context)
         return res
 
+    def get(self, name):
+        """The residual of layer ``name``, or None if it has none yet."""
+        return self._residuals.get(name)
+
     def scalar(self, name, field):
         """Codec state ``field`` of layer ``name`` (a Python float), or None if unset."""
         return self._scalars.get((name, field))
 
     def set_scalar(self, name, field, value):
-        self._scalars[(name, field)] = float(value)
+        """Set codec state ``field`` of layer ``name``; None unsets it."""
+        if value is None:
+            self._scalars.pop((name, field), None)
+        else:
+            self._scalars[(name, field)] = float(value)
 
     def names(self):
         """Names of layers that hold a residual."""

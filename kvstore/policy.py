@@ -140,3 +140,31 @@ class LayerPolicy:
         if strategy == "fc_2bit" and len(shape) == 0:
             raise ValueError("policy maps scalar %r to fc_2bit" % (name,))
         return LayerPlan(name, shape, strategy)
+
+
+# -- the way back: how the servers return a layer's aggregate (compress_pull) ----------
+
+def compress_pull_mode(value):
+    """Normalise the compress_pull option.
+
+    False / None / 'off': the aggregate comes back dense float32 (Hylo as published);
+    True / 'layer': compressed with the codec of the layer's own family (conv_topk
+    layers' aggregates as top-k filters at the layer's rate, fc_2bit layers' as 2-bit);
+    '2bit': every compressed layer's aggregate as 2-bit. Returns None, 'layer' or '2bit'.
+    """
+    if value is None or value is False or value == "off":
+        return None
+    if value is True or value == "layer":
+        return "layer"
+    if value == "2bit":
+        return "2bit"
+    raise ValueError("compress_pull must be False, True, 'off', 'layer' or '2bit', got %r"
+                     % (value,))
+
+
+def pull_codec(strategy, mode):
+    """Codec of a layer's pull: 'dense', 'fc_2bit' or 'conv_topk'. Layers pushed
+    uncompressed ('none') are pulled dense: they are small, latency not bandwidth."""
+    if mode is None or strategy == "none":
+        return "dense"
+    return "fc_2bit" if mode == "2bit" else strategy

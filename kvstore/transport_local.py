@@ -1,15 +1,26 @@
 """In-process transport: one worker, and the 'server' is a decode right here.
 
 The payload takes the same path it takes over the parameter server (encode with
-residual, then decode into float32 and aggregate), only without a network: with one
-worker the aggregate is that worker's decoded payload.
+residual, then decode into float32 and aggregate; with compress_pull, encode the
+aggregate again with the server's residual and decode that), only without a network:
+with one worker the aggregate is that worker's decoded payload.
 """
+from .policy import pull_codec
+from .server import PullEncoder
 
 
 class LocalTransport:
-    """Moves payloads between a worker and itself; see the module docstring."""
+    """Moves payloads between a worker and itself; see the module docstring.
+
+    compress_pull: None, 'layer' or '2bit' (kvstore.policy.compress_pull_mode);
+    threshold_scale: of the 2-bit codec that encodes pulls.
+    """
     rank = 0
     num_workers = 1
+
+    def __init__(self, compress_pull=None, threshold_scale=1.0):
+        self.compress_pull = compress_pull
+        self.server = PullEncoder(threshold_scale)
 
     def init(self, layer, value):
         """Nothing to set up: there is no server."""
@@ -22,10 +33,26 @@ class LocalTransport:
         """Decode each (layer, payload, out) into float32 ``out``.
 
         Returns, per item, (bytes pushed, bytes pulled, {server: bytes}, messages):
-        the payload's size, and the dense float32 aggregate a distributed pull returns.
+        the payload's size, and the size of what a distributed pull returns.
         """
         traffic = []
         for layer, payload, out in items:
             layer.compressor.decode(payload, out)
-            traffic.append((payload.nbytes, 4 * layer.plan.size, {}, 0))
+            codec = pull_codec(layer.plan.strategy, self.compress_pull)
+            pulled = 4 * layer.plan.size
+            if codec != "dense":
+                back = self.server.encode(layer.plan.name, codec, out, k=layer.plan.k)
+                self.server.compressors[codec].decode(back, out)
+                pulled = back.nbytes
+            traffic.append((payload.nbytes, pulled, {}, 0))
         return traffic
+
+    def server_state(self):
+        """{layer name: (residual numpy of the layer's shape, [2-bit threshold or None])}."""
+        memory = self.server.memory
+        return {name: (memory.get(name).asnumpy(),
+                       [memory.scalar(name, "threshold")]) for name in memory.names()}
+
+    def load_server_state(self, state):
+        for name, (residual, thresholds) in state.items():
+            self.server.set_state(name, residual, thresholds[0] if thresholds else None)

@@ -6,8 +6,10 @@ kvstore.wire for their layout): large layers are cut into chunks of at most
 so far, so every server gets a fair share. A worker pushes only its compressed
 payload (row_sparse rows), the servers decode and aggregate (kvstore.server, sent to
 them as a pickled optimizer, MXNet's hook for server-side code), and the worker pulls
-the dense float32 aggregate. Parameters are broadcast from rank 0 through a dense key
-of their own.
+the dense float32 aggregate, or with compress_pull the aggregate as the server encoded
+it (it keeps the rest in its own residual), and decodes it. Every worker pulls the
+same bytes, so every worker writes the same aggregate. Parameters are broadcast from
+rank 0 through a dense key of their own.
 """
 import dataclasses
 import os
@@ -17,8 +19,11 @@ import zlib
 import mxnet as mx
 import numpy as np
 
+from .compressors import make_compressors
+from .policy import pull_codec
 from .server import ServerDecoder
-from .wire import DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, ChunkLayout, pack_codes, plan_chunks
+from .wire import (DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, ChunkLayout, pack_codes,
+                   plan_chunks, pull_payload)
 
 _ROW_ID_BYTES = 8       # row_sparse pushes and pulls carry int64 row ids
 DEFAULT_BUCKET_BYTES = 2 << 20     # = DEFAULT_CHUNK_ELEMENTS float32 values
@@ -55,10 +60,13 @@ class PSTransport:
       buckets of up to this many bytes (float32).
     split_elements: layers of at least this many elements are cut into a multiple of
       the number of servers, so every server carries the same share of them.
+    compress_pull: None, 'layer' or '2bit' (kvstore.policy.compress_pull_mode);
+    threshold_scale: of the 2-bit codec the servers encode pulls with.
     """
 
     def __init__(self, chunk_elements=DEFAULT_CHUNK_ELEMENTS,
-                 bucket_bytes=DEFAULT_BUCKET_BYTES, split_elements=DEFAULT_SPLIT_MIN):
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, split_elements=DEFAULT_SPLIT_MIN,
+                 compress_pull=None, threshold_scale=1.0):
         if os.environ.get("DMLC_ROLE") != "worker":
             raise RuntimeError("the hylo parameter-server transport runs in MXNet worker "
                                "processes (DMLC_ROLE=worker), started by python -m "
@@ -70,6 +78,10 @@ class PSTransport:
         self.num_servers = int(os.environ["DMLC_NUM_SERVER"])
         self.chunk_elements = int(chunk_elements)
         self.split_elements = int(split_elements)
+        self.compress_pull = compress_pull
+        self.threshold_scale = float(threshold_scale)
+        self._codecs = make_compressors()      # decoders of compressed pulls
+        self._pending_state = {}  # server state from a checkpoint, restored at exchange
         # a bucket stays one key on one server, like a chunk
         self.bucket_elements = min(int(bucket_bytes) // 4, self.chunk_elements)
         self._bucket_keys = {}    # sequence of hylo keys -> (ps key, ChunkLayout, recv)
@@ -80,6 +92,7 @@ class PSTransport:
         self._layouts = {}        # ps key -> (layer name, ChunkLayout), for the servers
         self._layouts_sent = False
         self._pull = {}           # ps key -> (row_sparse pull buffer, row ids)
+        self._layer_shapes = {}   # layer name -> shape
         # workers' model check: each worker writes a fingerprint of every new layer into
         # its own slot of this key; the server's sum gathers them (see init)
         self._check_key = self._key_on(0)
@@ -101,8 +114,7 @@ class PSTransport:
             self._layouts[key] = ("probe", ChunkLayout("probe", 0, 1, 1, server=server))
             probes.append(key)
         self.kv.init(probes, [mx.nd.zeros((1,)) for _ in probes])
-        self.kv.set_optimizer(ServerDecoder(self._layouts))
-        self._layouts_sent = True
+        self._send_layouts()
         outs = [mx.nd.zeros((1,)) for _ in probes]
         for key in probes:
             self.kv.push(key, mx.nd.ones((1,)))
@@ -165,7 +177,9 @@ class PSTransport:
         chunks = []
         for chunk in plan_chunks(layer.plan.strategy, layer.plan.shape, self.num_workers,
                                  self.num_servers, self.chunk_elements,
-                                 self.split_elements):
+                                 self.split_elements,
+                                 pull=pull_codec(layer.plan.strategy, self.compress_pull),
+                                 pull_rate=layer.plan.rate):
             pskey, server = self._place(4 * chunk.size)
             chunk = dataclasses.replace(chunk, server=server)
             chunks.append((pskey, chunk))
@@ -177,10 +191,11 @@ class PSTransport:
                 values.append(self._all_rows(chunk, mx.nd.zeros(chunk.key_shape)))
                 self._pull[pskey] = (
                     mx.nd.sparse.zeros("row_sparse", chunk.key_shape),
-                    mx.nd.arange(chunk.dense_rows, dtype=np.int64))
+                    mx.nd.arange(chunk.pull_rows, dtype=np.int64))
         self.kv.init(keys, values)      # one barrier for the layer
         self._bcast[layer.key] = bkey
         self._chunks[layer.key] = chunks
+        self._layer_shapes[layer.plan.name] = tuple(layer.plan.shape)
         self._layouts_sent = False
 
     def broadcast(self, layer, value, outs):
@@ -199,8 +214,9 @@ class PSTransport:
         counts pushes, each of which has one pull.
         """
         if not self._layouts_sent:
-            self.kv.set_optimizer(ServerDecoder(self._layouts))
-            self._layouts_sent = True
+            self._send_layouts()
+        if self._pending_state:
+            self._restore_server_state()
         traffic = []
 
         def count(i, server, pushed=0, pulled=0, messages=0):
@@ -233,8 +249,7 @@ class PSTransport:
         items = materialized
         buckets = self._buckets([items[i] for i in fused], fused)
         if not self._layouts_sent:      # a new bucket key
-            self.kv.set_optimizer(ServerDecoder(self._layouts))
-            self._layouts_sent = True
+            self._send_layouts()
         for pskey, chunk, members, send, _ in buckets:
             self.kv.push(pskey, send)
         for i in alone:
@@ -248,7 +263,7 @@ class PSTransport:
                     buf, row_ids = self._pull[pskey]
                     self.kv.row_sparse_pull(pskey, out=buf, row_ids=row_ids)
                     pulled_rows.append((flat, chunk, buf))
-                    nbytes = chunk.dense_rows * (4 * chunk.cols + _ROW_ID_BYTES)
+                    nbytes = chunk.pull_rows * (4 * chunk.cols + _ROW_ID_BYTES)
                 count(i, chunk.server, pulled=nbytes)
         for pskey, chunk, members, send, recv in buckets:
             self.kv.pull(pskey, out=recv)
@@ -259,8 +274,13 @@ class PSTransport:
         # Only now touch the pulled rows: reading a row_sparse array's data waits for
         # its pull, and every pull should be on its way before the first wait.
         for flat, chunk, buf in pulled_rows:
-            rows = buf.data.reshape((-1,))                  # (dense_rows * cols,) row-major
-            flat[chunk.offset:chunk.offset + chunk.size] = rows[:chunk.size]
+            rows = buf.data.reshape((-1,))                  # (pull_rows * cols,) row-major
+            piece = flat[chunk.offset:chunk.offset + chunk.size]
+            if chunk.pull == "dense":
+                piece[:] = rows[:chunk.size]
+            else:
+                payload = pull_payload(chunk, rows.asnumpy())
+                self._codecs[payload.strategy].decode(payload, piece.reshape(payload.shape))
         return [tuple(t) for t in traffic]
 
     def _buckets(self, items, indices):
@@ -340,6 +360,93 @@ class PSTransport:
             rows = self.rank * c.slot_rows + np.arange(c.slot_rows)
             pushes.append(self._row_sparse(c, data, rows))
         return pushes
+
+    # -- the servers' state (compressed pull), for checkpoints ---------------------------
+
+    def _send_layouts(self, mode=None):
+        self.kv.set_optimizer(ServerDecoder(self._layouts, self.threshold_scale, mode))
+        self._layouts_sent = True
+
+    def _server_mode(self, mode):
+        """Switch every server to ``mode`` (kvstore.server.MODES) between two barriers:
+        no worker pushes before every server has switched."""
+        mx.nd.waitall()      # a push is asynchronous: this worker's last ones must be done
+        self.kv._barrier()
+        if self.rank == 0:
+            self._send_layouts(mode)
+        self.kv._barrier()
+
+    def _compressed_pull_chunks(self):
+        """[(layer name, ps key, ChunkLayout)] of every chunk the servers encode."""
+        return [(self._layouts[pskey][0], pskey, chunk)
+                for chunks in self._chunks.values() for pskey, chunk in chunks
+                if chunk.pull != "dense"]
+
+    def server_state(self):
+        """The servers' residuals and thresholds, for a checkpoint (every worker calls
+        this at the same point, like a pushpull).
+
+        Returns {layer name: (residual numpy of the layer's shape, [threshold or None
+        per chunk])}.
+        """
+        chunks = self._compressed_pull_chunks()
+        if not chunks:
+            return {}
+        self._server_mode("dump")
+        bufs = []
+        for _, pskey, chunk in chunks:
+            self.kv.push(pskey, self._row_sparse(chunk, np.zeros(chunk.cols, np.float32),
+                                                 np.zeros(1, np.int64))[0])
+            buf = mx.nd.sparse.zeros("row_sparse", chunk.key_shape)
+            self.kv.row_sparse_pull(pskey, out=buf,
+                                    row_ids=mx.nd.arange(chunk.state_rows, dtype=np.int64))
+            bufs.append(buf)
+        state = {}
+        for (name, _, chunk), buf in zip(chunks, bufs):
+            values = buf.data.asnumpy().reshape(-1)
+            shape = self._layer_shapes[name]
+            residual, thresholds = state.setdefault(
+                name, (np.zeros(int(np.prod(shape)), np.float32), []))
+            residual[chunk.offset:chunk.offset + chunk.size] = values[:chunk.size]
+            if chunk.pull == "fc_2bit":
+                t = float(values[chunk.size])
+                thresholds.append(t if np.isfinite(t) else None)
+        self._server_mode("run")
+        return {name: (r.reshape(self._layer_shapes[name]), t)
+                for name, (r, t) in state.items()}
+
+    def load_server_state(self, state):
+        """Restore what server_state returned; done by the next exchange (the keys may
+        not exist yet). Every worker calls it; rank 0's values are the ones used."""
+        self._pending_state = dict(state)
+
+    def _restore_server_state(self):
+        chunks = [c for c in self._compressed_pull_chunks() if c[0] in self._pending_state]
+        if not chunks:
+            return
+        self._server_mode("load")
+        for name, pskey, chunk in chunks:
+            residual, thresholds = self._pending_state[name]
+            if np.shape(residual) != self._layer_shapes[name]:
+                raise ValueError("server residual of layer %r in the checkpoint has shape "
+                                 "%s, the layer %s" % (name, np.shape(residual),
+                                                       self._layer_shapes[name]))
+            if self.rank == 0:
+                values = np.zeros(chunk.state_rows * chunk.cols, np.float32)
+                values[:chunk.size] = np.asarray(residual, np.float32).reshape(-1)[
+                    chunk.offset:chunk.offset + chunk.size]
+                if chunk.pull == "fc_2bit":
+                    # thresholds are per chunk; another chunking measures them anew
+                    same = [c for n, _, c in chunks if n == name]
+                    t = thresholds[same.index(chunk)] if len(thresholds) == len(same) else None
+                    values[chunk.size] = np.nan if t is None else t
+                rows = np.arange(chunk.state_rows, dtype=np.int64)
+            else:
+                values, rows = np.zeros(chunk.cols, np.float32), np.zeros(1, np.int64)
+            self.kv.push(pskey, self._row_sparse(chunk, values, rows)[0])
+        self._server_mode("run")
+        for name, _, _ in chunks:
+            self._pending_state.pop(name, None)
 
     @staticmethod
     def _row_sparse(chunk, data, rows):

@@ -18,14 +18,28 @@ payloads are laid out so that this sum does exactly what Hylo's server must do:
   every integer below 2**24 is exact in float32, so adding the zeros of other slots
   cannot alter a payload, which raw bit patterns (NaN, denormals) could not promise.
 
-The server stores the aggregate as a row_sparse array that lists every row explicitly
-(zero rows included: MXNet's dense-to-row_sparse conversion would drop them, and its
-pull reads rows by position); a worker pulls rows [0, dense_rows), which are the
-chunk's dense float32 aggregate, row-major.
+The server stores what the workers pull as a row_sparse array whose rows are listed
+explicitly from row 0 (zero rows included: MXNet's dense-to-row_sparse conversion would
+drop them, and its pull reads rows by position); a worker pulls rows [0, pull_rows):
+
+* ``pull='dense'``: the chunk's dense float32 aggregate, row-major (dense_rows rows);
+* compressed pull (kvstore.server encodes the aggregate with its own residual):
+  ``'fc_2bit'``: the threshold, then the int32 code words' raw bits (nothing adds to
+  a pulled value, so raw bits travel unchanged); ``'conv_topk'``: header rows with the
+  pull_k filter indices (exact float32 integers), then those filters' rows.
+
+Checkpoints move the servers' residuals through the same keys (kvstore.server's
+'dump' and 'load' modes): state_rows rows of the residual, then the codec scalars.
 """
+import dataclasses
 from dataclasses import dataclass
 
+import mxnet as mx
 import numpy as np
+
+from .compressors import Payload
+
+PULL_CODECS = ("dense", "fc_2bit", "conv_topk")
 
 # Largest chunk, in gradient elements. MXNet splits keys of 1e6 elements or more over
 # all servers by row ranges, which would cut workers' slots apart; hylo cuts large
@@ -45,7 +59,9 @@ class ChunkLayout:
     decodes); lo, hi: the piece, in elements of the flat layer
     for dense and 2bit, in filters for topk; size: elements of the piece; cols: row
     width; rows: rows of the key; slot_rows: rows per worker's slot
-    (2bit); dense_rows: rows of the pulled aggregate; server: index of the server.
+    (2bit); dense_rows: rows of the dense aggregate; server: index of the server;
+    pull: how the aggregate comes back (PULL_CODECS); pull_k: filters pulled per step
+    (pull='conv_topk').
     """
     kind: str
     lo: int
@@ -56,6 +72,8 @@ class ChunkLayout:
     slot_rows: int = 0
     dense_rows: int = 0
     server: int = 0
+    pull: str = "dense"
+    pull_k: int = 0
 
     @property
     def offset(self):
@@ -65,6 +83,29 @@ class ChunkLayout:
     @property
     def key_shape(self):
         return (self.size,) if self.kind in ("dense", "probe") else (self.rows, self.cols)
+
+    @property
+    def rows_filters(self):
+        """Filters in a topk chunk (its key may have spare rows for the server's state)."""
+        return self.hi - self.lo
+
+    @property
+    def pull_rows(self):
+        """Rows a worker pulls: the compressed aggregate, or the dense one."""
+        if self.pull == "fc_2bit":
+            return -(-(1 + -(-self.size // 16)) // self.cols)
+        if self.pull == "conv_topk":
+            return -(-self.pull_k // self.cols) + self.pull_k
+        return self.dense_rows
+
+    @property
+    def state_values(self):
+        """float32 values of the server's state of this chunk: residual, then scalars."""
+        return self.size + (1 if self.pull == "fc_2bit" else 0)
+
+    @property
+    def state_rows(self):
+        return -(-self.state_values // self.cols)
 
 
 def two_bit_values(n_elements):
@@ -89,30 +130,90 @@ def _pieces(n, chunk_elements, num_servers, split_min, unit):
 
 
 def plan_chunks(strategy, shape, num_workers, num_servers=1,
-                chunk_elements=DEFAULT_CHUNK_ELEMENTS, split_min=DEFAULT_SPLIT_MIN):
-    """Split a layer into ChunkLayouts (server not yet assigned)."""
+                chunk_elements=DEFAULT_CHUNK_ELEMENTS, split_min=DEFAULT_SPLIT_MIN,
+                pull="dense", pull_rate=None):
+    """Split a layer into ChunkLayouts (server not yet assigned).
+
+    pull: codec of the way back (PULL_CODECS; 'dense' for strategy 'none');
+    pull_rate: fraction of a chunk's filters pulled with pull='conv_topk'. A chunk
+    whose compressed pull would not be smaller than its dense aggregate pulls dense.
+    """
+    if pull not in PULL_CODECS:
+        raise ValueError("pull codec must be one of %s, got %r" % (PULL_CODECS, pull))
     n = int(np.prod(shape)) if shape else 1
     if strategy == "conv_topk":
         per_filter = n // shape[0]
-        return [ChunkLayout("topk", lo // per_filter, hi // per_filter, hi - lo,
-                            cols=per_filter, rows=(hi - lo) // per_filter,
-                            dense_rows=(hi - lo) // per_filter)
-                for lo, hi in _pieces(n, max(chunk_elements, per_filter), num_servers,
-                                      split_min, per_filter)]
-    # 2-bit pieces start on a code word (16 elements)
-    pieces = _pieces(n, chunk_elements, num_servers, split_min, 16)
-    if strategy == "none":
-        return [ChunkLayout("dense", lo, hi, hi - lo) for lo, hi in pieces]
-    layouts = []
-    for lo, hi in pieces:
-        size = hi - lo
-        cols = min(ROW_DATA, size)
-        slot_rows = -(-(1 + two_bit_values(size)) // cols)     # threshold, then codes
-        dense_rows = -(-size // cols)
-        layouts.append(ChunkLayout("2bit", lo, hi, size, cols=cols,
-                                   rows=max(num_workers * slot_rows, dense_rows),
-                                   slot_rows=slot_rows, dense_rows=dense_rows))
-    return layouts
+        layouts = [ChunkLayout("topk", lo // per_filter, hi // per_filter, hi - lo,
+                               cols=per_filter, rows=(hi - lo) // per_filter,
+                               dense_rows=(hi - lo) // per_filter)
+                   for lo, hi in _pieces(n, max(chunk_elements, per_filter), num_servers,
+                                         split_min, per_filter)]
+    else:
+        # 2-bit pieces start on a code word (16 elements)
+        pieces = _pieces(n, chunk_elements, num_servers, split_min, 16)
+        if strategy == "none":
+            return [ChunkLayout("dense", lo, hi, hi - lo) for lo, hi in pieces]
+        layouts = []
+        for lo, hi in pieces:
+            size = hi - lo
+            cols = min(ROW_DATA, size)
+            slot_rows = -(-(1 + two_bit_values(size)) // cols)     # threshold, then codes
+            dense_rows = -(-size // cols)
+            layouts.append(ChunkLayout("2bit", lo, hi, size, cols=cols,
+                                       rows=max(num_workers * slot_rows, dense_rows),
+                                       slot_rows=slot_rows, dense_rows=dense_rows))
+    return [_with_pull(c, pull, pull_rate) for c in layouts]
+
+
+def _with_pull(chunk, pull, pull_rate):
+    if pull == "dense":
+        return chunk
+    filters = chunk.hi - chunk.lo
+    pull_k = 0
+    if pull == "conv_topk":
+        if chunk.kind != "topk":
+            raise ValueError("a conv_topk pull needs a conv_topk layer, got %s" % chunk.kind)
+        pull_k = min(filters, max(1, int(round(pull_rate * filters))))
+    compressed = dataclasses.replace(chunk, pull=pull, pull_k=pull_k)
+    if compressed.pull_rows >= chunk.dense_rows:
+        return chunk
+    # the key also carries the server's state when a checkpoint asks for it
+    return dataclasses.replace(compressed, rows=max(chunk.rows, compressed.state_rows))
+
+
+def pull_values(layout, payload):
+    """The server's side: Payload of the encoded aggregate -> float32 (pull_rows * cols,)."""
+    out = np.zeros(layout.pull_rows * layout.cols, np.float32)
+    if layout.pull == "fc_2bit":
+        (codes,) = payload.arrays
+        out[0] = payload.scalars[0]
+        words = codes.asnumpy().view(np.float32)       # raw bits: copied, never added
+        out[1:1 + len(words)] = words
+    elif layout.pull == "conv_topk":
+        indices, values = (a.asnumpy() for a in payload.arrays)
+        out[:len(indices)] = indices
+        head = -(-layout.pull_k // layout.cols) * layout.cols
+        out[head:head + values.size] = values.reshape(-1)
+    else:
+        raise ValueError("chunk %s pulls its dense aggregate" % (layout,))
+    return out
+
+
+def pull_payload(layout, values):
+    """The workers' side: pulled float32 values (pull_rows * cols,) -> Payload to decode."""
+    if layout.pull == "fc_2bit":
+        words = -(-layout.size // 16)
+        codes = np.ascontiguousarray(values[1:1 + words]).view(np.int32)
+        return Payload("fc_2bit", (layout.size,), (mx.nd.array(codes, dtype=np.int32),),
+                       (float(values[0]),))
+    if layout.pull == "conv_topk":
+        k = layout.pull_k
+        head = -(-k // layout.cols) * layout.cols
+        indices = values[:k].astype(np.int32)
+        rows = values[head:head + k * layout.cols].reshape(k, layout.cols)
+        return Payload("conv_topk", (layout.rows_filters, layout.cols),
+                       (mx.nd.array(indices, dtype=np.int32), mx.nd.array(rows)))
+    raise ValueError("chunk %s pulls its dense aggregate" % (layout,))
 
 
 def pack_codes(codes_u8):

@@ -2,6 +2,8 @@
 
     python tests/dist_keys_worker.py fusion OUT      21 small tensors in one pushpull call
     python tests/dist_keys_worker.py mismatch OUT    rank 1 has a differently shaped model
+    python tests/dist_keys_worker.py pull:MODE OUT   compressed pull (compress_pull=MODE):
+        random gradients through layers cut into several chunks; writes OUT.npz too
 OUT may contain {rank}; the worker writes its results there as JSON.
 """
 import json
@@ -13,6 +15,56 @@ import numpy as np
 import mxhylo
 
 mode, out = sys.argv[1], sys.argv[2]
+
+
+def compressed_pull(pull_mode):
+    """Random gradients, 4 steps; checkpoint; 2 steps (A); restore; the same 2 (B)."""
+    kv = mxhylo.create("dist_sync_hylo", compress_pull=pull_mode, chunk_elements=4096,
+                       split_elements=8192)
+    shapes = {"conv": (64, 16, 3, 3), "fc": (96, 200), "fc_odd": (50, 333),
+              "bias": (10,), "conv_small": (8, 4, 1, 1)}
+    keys = sorted(shapes)
+    kv.broadcast(keys, [mx.nd.zeros(shapes[k]) for k in keys],
+                 out=[mx.nd.zeros(shapes[k]) for k in keys])
+    rng = np.random.RandomState(100 + kv.rank)
+    sent = {k: np.zeros(shapes[k], np.float64) for k in keys}
+    got = {k: np.zeros(shapes[k], np.float64) for k in keys}
+
+    def step(record):
+        grads = [rng.normal(0, 0.01, shapes[k]).astype(np.float32) for k in keys]
+        outs = [mx.nd.array(g) for g in grads]
+        kv.pushpull(keys, outs)
+        if record:
+            for k, g, o in zip(keys, grads, outs):
+                sent[k] += g
+                got[k] += o.asnumpy()
+        return {k: o.asnumpy() for k, o in zip(keys, outs)}
+
+    for _ in range(4):
+        step(True)
+    kv.save_residuals(out.format(rank=kv.rank) + ".ckpt")
+    state = {k: v.asnumpy() for k, v in mx.nd.load(out.format(rank=kv.rank) + ".ckpt").items()}
+    rng_state = rng.get_state()
+    run_a = [step(False) for _ in range(2)]
+    kv.load_residuals(out.format(rank=kv.rank) + ".ckpt")
+    rng.set_state(rng_state)
+    run_b = [step(False) for _ in range(2)]
+    resumed = all(np.array_equal(a[k], b[k]) for a, b in zip(run_a, run_b) for k in keys)
+    arrays = {"sent/" + k: sent[k] for k in keys}
+    arrays.update({"got/" + k: got[k] for k in keys})
+    arrays.update({"last/" + k: run_b[-1][k] for k in keys})
+    arrays.update({"state/" + k: v for k, v in state.items()})
+    np.savez(out.format(rank=kv.rank) + ".npz", **arrays)
+    stats = kv.stats()
+    json.dump({"resumed": bool(resumed), "rank": kv.rank,
+               "bytes_pushed": stats["bytes_pushed"], "bytes_pulled": stats["bytes_pulled"],
+               "dense_bytes": stats["dense_bytes"]}, open(out.format(rank=kv.rank), "w"))
+
+
+if mode.startswith("pull:"):
+    compressed_pull(mode[len("pull:"):])
+    sys.exit(0)
+
 kv = mxhylo.create("dist_sync_hylo")
 shapes = [(100,), (3, 7), (64,), (1,), (5, 5, 2)] * 4 + [(40, 40)]   # all below 8192
 if mode == "mismatch":
