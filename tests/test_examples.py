@@ -158,17 +158,26 @@ def test_push_then_pull_sums_dequantized_two_bit_pushes(tmp_path):
 
 @pytest.mark.slow
 def test_accuracy_study_smoke(tmp_path):
-    """The whole study pipeline, tiny: 2 workers, 1 seed, 2 epochs, plots written."""
+    """The whole study pipeline, tiny: 2 workers, 1 seed, 2 epochs, the default modes
+    (hylo_pull among them), plots written."""
     out = tmp_path / "report.json"
     rc, log = _run([sys.executable, "-m", "mxhylo.bench", "accuracy", "--seeds", "1",
                     "--epochs", "2", "--workers", "2", "--servers", "1",
                     "--plots-dir", str(tmp_path), "--json", str(out)], timeout=400)
     assert rc == 0, log[-4000:]
     report = json.load(open(out))
-    assert set(report["modes"]) == {"dense", "2bit", "hylo"}
+    assert set(report["modes"]) == {"dense", "2bit", "hylo", "hylo_pull"}
     dense = report["modes"]["dense"]["bytes_pushed_per_step"]
     assert report["modes"]["2bit"]["bytes_pushed_per_step"] < dense / 15
     assert report["modes"]["hylo"]["bytes_pushed_per_step"] < dense / 8
+    # dense pull for all but hylo_pull, whose servers return the aggregate compressed
+    # (hylo counts what it pulled: its row_sparse pulls add int64 row ids)
+    assert report["modes"]["2bit"]["bytes_pulled_per_step"] == dense
+    assert report["modes"]["hylo"]["bytes_pulled_per_step"] == pytest.approx(dense, rel=0.01)
+    assert report["modes"]["hylo_pull"]["bytes_pushed_per_step"] < dense / 8
+    assert report["modes"]["hylo_pull"]["bytes_pulled_per_step"] < dense / 8
+    assert report["modes"]["hylo_pull"]["runs"][0]["workers_identical"]
+    assert report["checks"]["hylo_pull_workers_identical"]
     assert report["modes"]["hylo"]["layers"]["dense0_weight"]["policy"] == "fc_2bit"
     assert len(report["modes"]["hylo"]["curve_mean"]) == 2
     assert (tmp_path / "accuracy_curves.png").is_file()

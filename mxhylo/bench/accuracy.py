@@ -1,6 +1,8 @@
-"""Accuracy study: dense dist_sync vs MXNet's built-in 2-bit vs hylo, 4 workers, 3 seeds.
+"""Accuracy study: dense dist_sync vs MXNet's built-in 2-bit vs hylo (dense pull and
+compressed pull), 4 workers, 3 seeds.
 
-``python -m mxhylo.bench accuracy [--epochs 20 --seeds 3 --workers 4 --servers 2] --json F``
+``python -m mxhylo.bench accuracy [--modes dense,2bit,hylo,hylo_pull --epochs 20 --seeds 3
+--workers 4 --servers 2] --json F``
 
 What runs: for every mode and seed, one parameter-server job (``python -m
 mxhylo.launch -n W -s S``) whose workers each call :func:`mxhylo.digits.train`, the
@@ -17,7 +19,21 @@ kvstore differs between modes:
   updates locally with the same SGD as the other modes. (Setting the optimizer on the
   servers instead, push gradients / pull weights, also works in 1.9.1; it was not used
   so that every mode runs the identical worker-side update.)
-- ``hylo``: ``mxhylo.create('dist_sync_hylo')`` with its default policy.
+- ``hylo``: ``mxhylo.create('dist_sync_hylo', compress_pull=False)``, Hylo as
+  published: compressed push, the servers return the dense float32 aggregate. The
+  option is spelled out so that this mode stays what it is if the library's default
+  changes.
+- ``hylo_pull``: ``mxhylo.create('dist_sync_hylo', compress_pull=True)``, compressed
+  pull: the servers encode each compressed layer's aggregate with the codec of the
+  layer's own family (conv_topk layers' as top-k filters at the layer's rate, fc_2bit
+  layers' as 2-bit) and keep what they do not send in residuals of their own (error
+  feedback on the server, as the workers do on the push); every worker pulls the same
+  encoded bytes. Layers pushed uncompressed are pulled dense.
+- ``hylo_pull2bit``: ``compress_pull='2bit'``, every compressed layer's aggregate
+  returned as 2-bit (see kvstore.policy.compress_pull_mode).
+
+Every hylo mode uses the store's default policy. The default ``--modes`` is
+``dense,2bit,hylo,hylo_pull``; ``hylo_pull2bit`` is opt-in.
 
 The 2-bit threshold applies to the summed gradient of a worker's batch (Gluon's loss
 is per sample; the 1/batch scaling happens in the optimizer). MXNet sends at most
@@ -47,14 +63,18 @@ native runs (dense seed 0 and 2bit seed 2 of one study, on a loaded machine) end
 workers holding different parameters and lower accuracy (96.9%, 95.8%); two
 earlier dense runs, before the checksum, ended as low (96.0%, 66.6%), probably the
 same way. No hylo run diverged (its servers hand every worker the same decoded
-aggregate). The cause, somewhere in
-MXNet's native dist_sync path, was not found; rerun a study that lists any.
+aggregate; with compressed pull, the same encoded one; the checks require identical
+workers of ``hylo_pull``). The cause, somewhere in MXNet's native dist_sync path, was
+not found; rerun a study that lists any.
 
-Bytes pushed per step, per worker: hylo counts what its transport really pushed
-(``kv.stats()``); dense is 4 bytes per gradient element; 2-bit is computed from
-MXNet's packing: every float32 dense key is compressed whatever its size (no
-threshold in KVStoreDist::Push_), to ceil(n / 16) float32 words (16 two-bit codes
-per word), i.e. 4 * ceil(n / 16) bytes. Keys of 1e6 elements or more
+Bytes pushed and pulled per step, per worker: hylo modes count what their transport
+really moved (``kv.stats()``'s bytes_pushed and bytes_pulled over its steps; ``hylo``'s
+dense pull comes out 0.2% above dense's, as its compressed layers' keys are row_sparse
+and their pulls carry int64 row ids); dense is 4 bytes per gradient element each way;
+2-bit pulls dense (4 bytes per element: MXNet 1.9.1 compresses only the push), and its
+push is computed from MXNet's packing: every float32 dense key is compressed whatever
+its size (no threshold in KVStoreDist::Push_), to ceil(n / 16) float32 words (16 two-bit
+codes per word), i.e. 4 * ceil(n / 16) bytes. Keys of 1e6 elements or more
 (MXNET_KVSTORE_BIGARRAY_BOUND) are split over the servers with the same total.
 Payload only: ps-lite's message headers and key lists are not counted in any mode.
 """
@@ -68,15 +88,20 @@ import time
 
 import numpy as np
 
-MODES = ("dense", "2bit", "hylo")
-COLORS = {"dense": "tab:blue", "2bit": "tab:orange", "hylo": "tab:green"}
+MODES = ("dense", "2bit", "hylo", "hylo_pull", "hylo_pull2bit")
+DEFAULT_MODES = ("dense", "2bit", "hylo", "hylo_pull")     # hylo_pull2bit is opt-in
+COLORS = {"dense": "tab:blue", "2bit": "tab:orange", "hylo": "tab:green",
+          "hylo_pull": "tab:red", "hylo_pull2bit": "tab:brown"}
+# the hylo modes: compress_pull option of mxhylo.create (kvstore.policy.compress_pull_mode)
+HYLO_PULL = {"hylo": False, "hylo_pull": True, "hylo_pull2bit": "2bit"}
 
 
 # ----------------------------------------------------------------------------- bench side
 
 def add_arguments(parser):
-    parser.add_argument("--modes", default=",".join(MODES),
-                        help="comma-separated subset of " + ",".join(MODES))
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                        help="comma-separated subset of %s (default %s)"
+                             % (",".join(MODES), ",".join(DEFAULT_MODES)))
     parser.add_argument("--seeds", type=int, default=3, help="seeds per mode (3)")
     parser.add_argument("--epochs", type=int, default=20, help="epochs per run (20)")
     parser.add_argument("--workers", type=int, default=4, help="workers per job (4)")
@@ -108,8 +133,10 @@ def run(args):
             for mode in modes:   # modes interleaved: machine load drifts over a study
                 runs[mode].append(launch_job(args, mode, seed, tmp))
                 r = runs[mode][-1]
-                print("accuracy: %-5s seed %d: test accuracy %.4f, %.0f bytes/step, %.0f s"
-                      % (mode, seed, r["accuracy"], r["bytes_per_step"], r["job_seconds"]),
+                print("accuracy: %-13s seed %d: test accuracy %.4f, %.0f bytes pushed "
+                      "/ %.0f pulled per step, %.0f s"
+                      % (mode, seed, r["accuracy"], r["bytes_per_step"],
+                         r["bytes_pulled_per_step"], r["job_seconds"]),
                       file=sys.stderr, flush=True)
     report = summarize(args, runs)
     report["study_seconds"] = time.time() - start
@@ -162,6 +189,8 @@ def summarize(args, runs):
             "curve_min": curves.min(axis=0).tolist(),
             "curve_max": curves.max(axis=0).tolist(),
             "bytes_pushed_per_step": float(np.mean([r["bytes_per_step"] for r in rs])),
+            "bytes_pulled_per_step": float(np.mean([r["bytes_pulled_per_step"]
+                                                    for r in rs])),
             "job_seconds": _spread([r["job_seconds"] for r in rs]),
             "layers": rs[0]["layers"],
             # per run: rank 0's curve (the reported one) and every rank's final accuracy
@@ -172,7 +201,8 @@ def summarize(args, runs):
                       "workers_identical": len(set(r["rank_checksums"])) == 1}
                      for r in rs],
         }
-        if mode == "hylo":
+        if mode in HYLO_PULL:
+            # dense bytes over bytes pushed, as kv.stats() reports it
             modes[mode]["hylo_ratio"] = float(np.mean([r["stats"]["ratio"] for r in rs]))
     report = {"config": {k: getattr(args, k) for k in (
         "modes", "seeds", "epochs", "workers", "servers", "batch_size", "lr", "threshold")},
@@ -189,13 +219,26 @@ def summarize(args, runs):
                 modes[mode]["final_accuracy"]["mean"] - dense["final_accuracy"]["mean"])
             modes[mode]["bytes_vs_dense"] = (modes[mode]["bytes_pushed_per_step"]
                                              / dense["bytes_pushed_per_step"])
+            modes[mode]["pulled_bytes_vs_dense"] = (modes[mode]["bytes_pulled_per_step"]
+                                                    / dense["bytes_pulled_per_step"])
+        checks = {}
         if "hylo" in modes:
             h = modes["hylo"]
-            report["checks"] = {
-                # only a loss counts against hylo: doing better than dense passes
-                "hylo_within_0.5_points_of_dense": h["accuracy_gap_points"] >= -0.5,
-                "hylo_bytes_at_most_1/8_of_dense": h["bytes_vs_dense"] <= 1.0 / 8.0,
-            }
+            # only a loss counts against hylo: doing better than dense passes
+            checks["hylo_within_0.5_points_of_dense"] = h["accuracy_gap_points"] >= -0.5
+            checks["hylo_bytes_at_most_1/8_of_dense"] = h["bytes_vs_dense"] <= 1.0 / 8.0
+        if "hylo_pull" in modes:
+            h = modes["hylo_pull"]
+            checks.update({
+                "hylo_pull_within_0.5_points_of_dense": h["accuracy_gap_points"] >= -0.5,
+                "hylo_pull_pushed_bytes_at_most_1/8_of_dense": h["bytes_vs_dense"] <= 1 / 8,
+                "hylo_pull_pulled_bytes_at_most_1/8_of_dense":
+                    h["pulled_bytes_vs_dense"] <= 1 / 8,
+                # the servers send every worker the same encoded aggregate
+                "hylo_pull_workers_identical": not report["diverged_runs"]["hylo_pull"],
+            })
+        if checks:
+            report["checks"] = checks
     return report
 
 
@@ -212,7 +255,8 @@ def make_plots(report, folder):
     # the study's order (a report read back from JSON has its keys sorted)
     modes = {m: report["modes"][m] for m in MODES if m in report["modes"]}
     cfg = report["config"]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [2, 1]})
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12.5, 4.6),
+                                 gridspec_kw={"width_ratios": [2, 1.3]})
     for mode, m in modes.items():
         x = np.arange(1, len(m["curve_mean"]) + 1)
         ax.plot(x, 100 * np.asarray(m["curve_mean"]), color=COLORS[mode],
@@ -229,14 +273,28 @@ def make_plots(report, folder):
                  % (cfg["workers"], cfg["seeds"]), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
+    # push (solid) and pull (hatched) side by side per mode
     names = list(modes)
-    kb = [modes[n]["bytes_pushed_per_step"] / 1e3 for n in names]
-    bars = bx.bar(names, kb, color=[COLORS[n] for n in names])
-    for rect, v in zip(bars, kb):
-        bx.annotate("%.0f kB" % v, (rect.get_x() + rect.get_width() / 2, v),
-                    ha="center", va="bottom", fontsize=8)
-    bx.set_ylabel("bytes pushed per step per worker (kB)")
-    bx.set_title("gradient payload per step", fontsize=10)
+    x = np.arange(len(names))
+    width = 0.4
+    colors = [COLORS[n] for n in names]
+    pushed = [modes[n]["bytes_pushed_per_step"] / 1e3 for n in names]
+    # a report written before pulls were counted has none: drawn as 0
+    pulled = [modes[n].get("bytes_pulled_per_step", 0.0) / 1e3 for n in names]
+    bars = list(bx.bar(x - width / 2, pushed, width, color=colors, edgecolor=colors))
+    bars += list(bx.bar(x + width / 2, pulled, width, color="white", edgecolor=colors,
+                        hatch="///"))
+    for rect, v in zip(bars, pushed + pulled):
+        bx.annotate("%.0f" % v if v >= 10 else "%.1f" % v,
+                    (rect.get_x() + rect.get_width() / 2, v),
+                    ha="center", va="bottom", fontsize=7)
+    bx.bar([0], [0], color="grey", label="push")            # legend entries only
+    bx.bar([0], [0], color="white", edgecolor="grey", hatch="///", label="pull")
+    bx.set_xticks(x)
+    bx.set_xticklabels(names, fontsize=8, rotation=20)
+    bx.set_ylabel("bytes per step per worker (kB)")
+    bx.set_title("gradient payload per step: push and pull", fontsize=10)
+    bx.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     paths["accuracy_curves"] = os.path.join(folder, "accuracy_curves.png")
     fig.savefig(paths["accuracy_curves"], dpi=110)
@@ -371,25 +429,32 @@ def worker_main(argv=None):
     elif args.mode == "2bit":
         kv = PushThenPull(args.threshold)
     else:
-        kv = mxhylo.create("dist_sync_hylo")
+        # compress_pull spelled out, so that "hylo" stays dense pull whatever the default
+        kv = mxhylo.create("dist_sync_hylo", compress_pull=HYLO_PULL[args.mode])
     result = digits.train(kvstore=kv, contexts=[mx.cpu(0)], epochs=args.epochs,
                           batch_size=args.batch_size, lr=args.lr, seed=args.seed)
     sizes = {name: int(a.size) for name, a in result["params"].items()}
     shapes = {name: list(a.shape) for name, a in result["params"].items()}
     stats = result["stats"]
-    if args.mode == "hylo":
+    if args.mode in HYLO_PULL:
+        # bytes_per_step and ratio: the push (dense bytes over bytes pushed)
         layers = {name: {"policy": e["policy"], "shape": e["shape"], "k": e["k"],
                          "rate": e["rate"], "bytes_per_step": e["bytes_pushed"] / e["steps"],
+                         "bytes_pulled_per_step": e["bytes_pulled"] / e["steps"],
                          "dense_bytes_per_step": e["dense_bytes"] / e["steps"],
                          "ratio": e["ratio"]}
                   for name, e in stats["layers"].items()}
         per_step = stats["bytes_pushed"] / stats["steps"]
+        pulled_per_step = stats["bytes_pulled"] / stats["steps"]
     else:
+        # both native modes pull the dense float32 sum; 2bit compresses only the push
         count = dense_bytes if args.mode == "dense" else twobit_bytes
         layers = {name: {"policy": args.mode, "shape": shapes[name],
-                         "bytes_per_step": count(n), "dense_bytes_per_step": dense_bytes(n),
+                         "bytes_per_step": count(n), "bytes_pulled_per_step": dense_bytes(n),
+                         "dense_bytes_per_step": dense_bytes(n),
                          "ratio": dense_bytes(n) / count(n)} for name, n in sizes.items()}
         per_step = float(sum(count(n) for n in sizes.values()))
+        pulled_per_step = float(sum(dense_bytes(n) for n in sizes.values()))
     # Synchronous workers must end with identical trainable parameters: a checksum per
     # rank lets the study see a worker that drifted.
     checksum = float(sum(np.abs(a.astype(np.float64)).sum() for a in result["params"].values()))
@@ -397,7 +462,8 @@ def worker_main(argv=None):
               "param_checksum": checksum,
               "workers": result["workers"], "accuracy": result["accuracy"],
               "history": result["history"], "seconds": result["seconds"],
-              "bytes_per_step": per_step, "layers": layers,
+              "bytes_per_step": per_step, "bytes_pulled_per_step": pulled_per_step,
+              "layers": layers,
               "stats": {k: v for k, v in (stats or {}).items() if k != "layers"}}
     with open(args.out.format(rank=result["rank"]), "w") as f:
         json.dump(report, f, indent=1)

@@ -38,7 +38,9 @@ import time
 
 from . import netns
 
-ALL_MODES = ("dense_pushpull", "dense_push_pull", "mxnet_2bit", "hylo")
+ALL_MODES = ("dense_pushpull", "dense_push_pull", "mxnet_2bit", "hylo", "hylo_pull",
+             "hylo_pull2bit")
+HYLO_MODES = ("hylo", "hylo_pull", "hylo_pull2bit")
 DEFAULT_MODELS = ("resnet50_v1b", "vgg16", "alexnet")
 BASELINE = "dense_pushpull"
 FLOAT_BYTES = 4
@@ -586,9 +588,10 @@ def run(args):
         raise SystemExit("mxhylo.bench comm: --steps must exceed --warmup (%d)" % args.warmup)
     notes = []
     skipped = {}
-    if "hylo" in modes and not hylo_available():
-        skipped["hylo"] = "skipped: mxhylo.kvstore.transport_ps is not available in this build"
-        notes.append("hylo mode " + skipped["hylo"])
+    for mode in HYLO_MODES:
+        if mode in modes and not hylo_available():
+            skipped[mode] = "skipped: mxhylo.kvstore.transport_ps is not available in this build"
+            notes.append(mode + " mode " + skipped[mode])
 
     plot = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
     if args.cleanup_stale:

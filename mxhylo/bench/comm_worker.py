@@ -123,12 +123,16 @@ class MXNet2Bit(DenseMode):
 
 
 class HyloMode:
-    """hylo: ``mxhylo.create('dist_sync_hylo', **options)``; broadcast at init, one
+    """hylo: ``mxhylo.create('dist_sync_hylo', compress_pull=False, **options)`` (Hylo
+    as published: compressed push, dense pull); broadcast at init, one
     ``kv.pushpull(keys, grads, out=outs)`` per step; kv.stats() as reported by hylo."""
+    compress_pull = False
 
     def __init__(self, cfg):
         import mxhylo
-        self.kv = mxhylo.create("dist_sync_hylo", **(cfg.get("hylo_options") or {}))
+        options = dict(cfg.get("hylo_options") or {})
+        options.setdefault("compress_pull", self.compress_pull)
+        self.kv = mxhylo.create("dist_sync_hylo", **options)
 
     def init(self, keys, params):
         self.kv.broadcast(keys, params, out=params)
@@ -144,11 +148,25 @@ class HyloMode:
         return self.kv.stats()
 
 
+class HyloPullMode(HyloMode):
+    """hylo_pull: hylo with compress_pull=True: the servers return each compressed
+    layer's aggregate with the layer's own codec (server-side error feedback)."""
+    compress_pull = True
+
+
+class HyloPull2BitMode(HyloMode):
+    """hylo_pull2bit: hylo with compress_pull='2bit': every compressed layer's
+    aggregate comes back 2-bit."""
+    compress_pull = "2bit"
+
+
 MODES = {
     "dense_pushpull": DensePushPull,
     "dense_push_pull": DensePushThenPull,
     "mxnet_2bit": MXNet2Bit,
     "hylo": HyloMode,
+    "hylo_pull": HyloPullMode,
+    "hylo_pull2bit": HyloPull2BitMode,
 }
 
 
