@@ -38,9 +38,24 @@ class Payload:
 def _raise_non_finite(name, count, size):
     raise FloatingPointError(
         "non-finite gradient in layer %r: %d of %d elements are NaN or Inf. The step is "
-        "abandoned; those elements were not folded into the residual. With fp16, use "
+        "abandoned and the layer's residual left as it was. With fp16, use "
         "loss scaling (mxhylo.LARSTrainer skips overflowing steps before they are sent)."
         % (name, count, size))
+
+
+def _abandon(compressor, payload, grad, residual):
+    """Undo an encode whose gradient had non-finite elements, then raise.
+
+    The operators have already left residual <- grad + residual - sent for the finite
+    elements (non-finite ones keep their residual); adding back what was not sent and
+    taking the gradient out again restores the residual to within float32 rounding.
+    The check comes after the operator because it is a by-product of the same pass.
+    """
+    sent = mx.nd.zeros(residual.shape, ctx=residual.context, dtype=np.float32)
+    compressor.decode(payload, sent)
+    g = grad.astype(np.float32)
+    finite = mx.nd.contrib.isfinite(g)
+    residual[:] = mx.nd.where(finite, residual + sent - mx.nd.where(finite, g, sent), residual)
 
 
 class Compressor:
@@ -91,6 +106,9 @@ class TwoBit(Compressor):
         total, bad = (float(v) for v in stats.asnumpy())
         if bad:
             _raise_non_finite(plan.name, int(bad), plan.size)
+        return self._scaled(total, plan)
+
+    def _scaled(self, total, plan):
         t = self.threshold_scale * total / max(plan.size, 1)
         # An all-zero layer has mean 0; any positive threshold then sends all zeros.
         return max(t, float(np.finfo(np.float32).tiny))
@@ -102,8 +120,13 @@ class TwoBit(Compressor):
             t = self._threshold(ops.l1_stats(grad, residual), plan)
         t = float(np.float32(t))
         codes, stats = ops.quantize_2bit(grad, residual, t)
-        memory.set_scalar(plan.name, "threshold", self._threshold(stats, plan))
-        return Payload(self.name, tuple(grad.shape), (codes,), (t,))
+        payload = Payload(self.name, tuple(grad.shape), (codes,), (t,))
+        total, bad = (float(v) for v in stats.asnumpy())
+        if bad:
+            _abandon(self, payload, grad, residual)
+            _raise_non_finite(plan.name, int(bad), plan.size)
+        memory.set_scalar(plan.name, "threshold", self._scaled(total, plan))
+        return payload
 
     def decode(self, payload, out, accumulate=False):
         (codes,) = payload.arrays
@@ -122,10 +145,12 @@ class ConvTopK(Compressor):
     def encode(self, plan, grad, memory):
         residual = memory.residual(plan.name, grad)
         indices, values, stats = ops.select_kernels(grad, residual, plan.k)
+        payload = Payload(self.name, tuple(grad.shape), (indices, values))
         bad = float(stats.asnumpy()[1])
         if bad:
+            _abandon(self, payload, grad, residual)
             _raise_non_finite(plan.name, int(bad), plan.size)
-        return Payload(self.name, tuple(grad.shape), (indices, values))
+        return payload
 
     def decode(self, payload, out, accumulate=False):
         indices, values = payload.arrays

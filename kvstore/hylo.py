@@ -12,9 +12,12 @@ One gradient's way through ``pushpull(key, [g_dev0, g_dev1, ...])``:
    kvstore.transport_ps over MXNet's parameter server);
 4. write: the float32 aggregate is copied into every output (cast to its dtype).
 
-With list keys every key goes through step 2 before any key reaches step 3 and
-every aggregate is complete before step 4 writes, so outputs may alias inputs or
-each other.
+With list keys each key goes to step 3 as soon as it is encoded (the servers start
+while later keys are still being encoded), and every aggregate is complete before
+step 4 writes, so outputs may alias inputs or each other. A non-finite gradient makes
+step 2 raise FloatingPointError for that key (its residual left as it was); keys
+before it in the same call have been exchanged already, and a distributed worker
+ends (see transport_ps: the other workers would wait for its pushes).
 
 Gluon's Trainer passes parameter indices as keys, one key per call. Policy regexes and
 error messages need parameter names, so for an int key the store looks up the calling

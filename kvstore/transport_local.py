@@ -54,5 +54,7 @@ class LocalTransport:
                        [memory.scalar(name, "threshold")]) for name in memory.names()}
 
     def load_server_state(self, state):
+        """Replace the server's state with ``state`` (layers absent from it start anew)."""
+        self.server.memory = type(self.server.memory)()
         for name, (residual, thresholds) in state.items():
             self.server.set_state(name, residual, thresholds[0] if thresholds else None)

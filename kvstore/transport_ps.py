@@ -82,6 +82,7 @@ class PSTransport:
         self.threshold_scale = float(threshold_scale)
         self._codecs = make_compressors()      # decoders of compressed pulls
         self._pending_state = {}  # server state from a checkpoint, restored at exchange
+        self._pending_replace = False
         # a bucket stays one key on one server, like a chunk
         self.bucket_elements = min(int(bucket_bytes) // 4, self.chunk_elements)
         self._bucket_keys = {}    # sequence of hylo keys -> (ps key, ChunkLayout, recv)
@@ -215,7 +216,7 @@ class PSTransport:
         """
         if not self._layouts_sent:
             self._send_layouts()
-        if self._pending_state:
+        if self._pending_state or self._pending_replace:
             self._restore_server_state()
         traffic = []
 
@@ -416,17 +417,26 @@ class PSTransport:
                 for name, (r, t) in state.items()}
 
     def load_server_state(self, state):
-        """Restore what server_state returned; done by the next exchange (the keys may
-        not exist yet). Every worker calls it; rank 0's values are the ones used."""
+        """Replace the servers' state with what server_state returned (layers absent
+        from it start anew); done by the next exchange (the keys may not exist yet).
+        Every worker calls it; rank 0's values are the ones used."""
         self._pending_state = dict(state)
+        self._pending_replace = True
 
     def _restore_server_state(self):
-        chunks = [c for c in self._compressed_pull_chunks() if c[0] in self._pending_state]
+        """Send the pending state: at the first exchange after load_server_state to
+        every compressed-pull chunk (zeros where the state has no entry), later to the
+        chunks of layers that were not initialised yet then."""
+        chunks = [c for c in self._compressed_pull_chunks()
+                  if self._pending_replace or c[0] in self._pending_state]
+        self._pending_replace = False
         if not chunks:
             return
         self._server_mode("load")
         for name, pskey, chunk in chunks:
-            residual, thresholds = self._pending_state[name]
+            residual, thresholds = self._pending_state.get(name, (None, []))
+            if residual is None:
+                residual = np.zeros(self._layer_shapes[name], np.float32)
             if np.shape(residual) != self._layer_shapes[name]:
                 raise ValueError("server residual of layer %r in the checkpoint has shape "
                                  "%s, the layer %s" % (name, np.shape(residual),

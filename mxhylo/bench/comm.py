@@ -37,6 +37,7 @@ import tempfile
 import time
 
 from . import netns
+from ..launch import SERVER_DEFAULTS
 
 ALL_MODES = ("dense_pushpull", "dense_push_pull", "mxnet_2bit", "hylo", "hylo_pull",
              "hylo_pull2bit")
@@ -111,12 +112,16 @@ def role_names(num_workers, num_servers):
 
 
 def role_env(role, scheduler_addr, port, num_workers, num_servers, own_addr):
-    """The DMLC_* variables of one process (ordered as they appear on its command line)."""
+    """The DMLC_* variables of one process (ordered as they appear on its command line),
+    and for servers, in every mode, mxhylo.launch's server defaults (one OpenMP thread)."""
     kind = "scheduler" if role == "scheduler" else role.rstrip("0123456789")
-    return [("DMLC_ROLE", kind), ("DMLC_PS_ROOT_URI", scheduler_addr),
-            ("DMLC_PS_ROOT_PORT", str(port)), ("DMLC_NUM_SERVER", str(num_servers)),
-            ("DMLC_NUM_WORKER", str(num_workers)), ("DMLC_NODE_HOST", own_addr),
-            ("PS_VERBOSE", "0")]
+    env = [("DMLC_ROLE", kind), ("DMLC_PS_ROOT_URI", scheduler_addr),
+           ("DMLC_PS_ROOT_PORT", str(port)), ("DMLC_NUM_SERVER", str(num_servers)),
+           ("DMLC_NUM_WORKER", str(num_workers)), ("DMLC_NODE_HOST", own_addr),
+           ("PS_VERBOSE", "0")]
+    if kind == "server":
+        env += sorted(SERVER_DEFAULTS.items())
+    return env
 
 
 def role_command(exec_prefix, env, program):
