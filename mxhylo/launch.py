@@ -35,13 +35,18 @@ SSH_PASSTHROUGH = ("OMP_NUM_THREADS", "KMP_AFFINITY", "LD_LIBRARY_PATH", "DMLC_I
 
 EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT = 1, 2, 124
 
-# Defaults for server processes, below --env / --env-server. A server runs one small
+# Defaults for server processes, below the shell's own variables, --env and --env-server. A server runs one small
 # operation after another (sums of pushes, hylo's codecs) on its request thread; with
 # OpenMP teams their idle threads spin between operations (measured: 62% of a
 # server's CPU time in libgomp's wait loop, resnet50_v1b, 4 workers + 2 servers on 2
 # cores), time the workers on the same cores need. One thread: exchange 0.42 s
 # instead of 0.9 s per step there.
 SERVER_DEFAULTS = {"OMP_NUM_THREADS": "1"}
+
+
+def server_defaults(environ):
+    """SERVER_DEFAULTS that the launching shell's ``environ`` does not set itself."""
+    return {k: v for k, v in SERVER_DEFAULTS.items() if k not in environ}
 
 
 # ----------------------------------------------------------------------------- environment
@@ -218,7 +223,7 @@ def plan_children(args, root_uri, root_port, environ=None):
             env.update(role_env(role, W, S, root_uri, root_port, "local", task_id=task_id))
             env.update(extra)
             if role == "server":
-                env.update(SERVER_DEFAULTS)
+                env.update(server_defaults(environ))
             env.update(user_overrides(args, role))
             children.append(procs.Child("%s %d" % (role, index), role,
                                         local_argv(args.command), env))
@@ -237,7 +242,7 @@ def plan_children(args, root_uri, root_port, environ=None):
         # The remote shell does not inherit ours: pass the setting along either way.
         exports["PYTHONUNBUFFERED"] = environ.get("PYTHONUNBUFFERED", "1")
         if role == "server":
-            exports.update(SERVER_DEFAULTS)
+            exports.update(server_defaults(exports))
         exports.update(user_overrides(args, role))
         argv = ssh_argv(host, port, remote_command(workdir, exports, args.command), args.ssh)
         child = procs.Child("%s %d" % (role, index), role, argv, dict(environ),

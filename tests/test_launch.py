@@ -153,6 +153,9 @@ def test_local_env_matches_mxnet_launcher(monkeypatch):
         theirs = {k: str(v) for k, v in mx_env.items() if os.environ.get(k) != str(v)}
         mine = {k: v for k, v in ours[key].items() if os.environ.get(k) != v}
         mine.pop("PYTHONUNBUFFERED", None)     # ours only: line-wise output through pipes
+        if key[0] == "server":                 # ours only: one OpenMP thread on servers
+            for name, value in launch.server_defaults(base).items():
+                assert mine.pop(name) == value
         assert mine == theirs, key
     # And the builder alone says the same, e.g. for worker 1 and server 0:
     assert launch.role_env("worker", W, S, mx_host, port, task_id=1) == {
@@ -216,6 +219,9 @@ def test_ssh_commands_match_mxnet_launcher(monkeypatch, tmp_path):
         env = dict(tuple(a.split("=", 1)) for a in
                    shlex.split(inner.split(" && ")[1])[1:])
         assert env.pop("PYTHONUNBUFFERED") == os.environ.get("PYTHONUNBUFFERED", "1")
+        if env["DMLC_ROLE"] == "server":
+            for name, value in launch.server_defaults(os.environ).items():
+                assert env.pop(name) == value
         ours.append((host, sport, env))
     # dmlc starts its threads in order servers then workers; compare as sets per role.
     key = lambda t: (t[2]["DMLC_ROLE"], t[0], t[1], sorted(t[2].items()))
@@ -272,6 +278,15 @@ def test_small_helpers(tmp_path):
                                       "server 1"]
     assert all(c.env["A"] == "1" for c in kids)
     assert [c.env["DMLC_PS_ROOT_PORT"] for c in kids] == ["1234", "9", "9", "1234", "1234"]
+    # servers run one OpenMP thread unless told otherwise; workers keep the shell's value
+    assert [c.env.get("OMP_NUM_THREADS") for c in kids] == [None, None, None, "1", "1"]
+    args = launch.parse_args(["-n", "1", "-s", "1", "--env-server", "OMP_NUM_THREADS:4",
+                              "python", "t.py"])
+    kids = launch.plan_children(args, "10.1.1.1", 1234, environ={"OMP_NUM_THREADS": "2"})
+    assert [c.env["OMP_NUM_THREADS"] for c in kids] == ["2", "2", "4"]
+    args = launch.parse_args(["-n", "1", "-s", "1", "python", "t.py"])     # the shell's wins
+    kids = launch.plan_children(args, "10.1.1.1", 1234, environ={"OMP_NUM_THREADS": "2"})
+    assert [c.env["OMP_NUM_THREADS"] for c in kids] == ["2", "2", "2"]
 
 
 def test_help_documents_itself():
