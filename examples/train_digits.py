@@ -33,6 +33,9 @@ def main():
                         help="in one process: also train uncompressed and print both")
     parser.add_argument("--policy", type=json.loads, default=None,
                         help='hylo layer policy override, JSON, e.g. \'{".*": "none"}\'')
+    parser.add_argument("--compress-pull", choices=("off", "layer", "2bit"), default=None,
+                        help="hylo: how the servers return aggregates (default: the "
+                             "library's default; see README, Compressed pull)")
     parser.add_argument("--json", help="write accuracy and traffic to this file")
     parser.add_argument("--save-params", metavar="PATTERN",
                         help="save the final parameters to PATTERN.format(rank=kv.rank) (.npz)")
@@ -42,22 +45,25 @@ def main():
 
     distributed = os.environ.get("DMLC_ROLE") == "worker"
     contexts = [mx.cpu(0)] if distributed else [mx.cpu(0), mx.cpu(1)]
-    kv = mxhylo.create(args.kvstore, policy=args.policy) if "hylo" in args.kvstore \
-        else args.kvstore
+    options = {} if args.compress_pull is None else {"compress_pull": args.compress_pull}
+    kv = mxhylo.create(args.kvstore, policy=args.policy, **options) \
+        if "hylo" in args.kvstore else args.kvstore
     result = train(kvstore=kv, contexts=contexts, epochs=args.epochs,
                    batch_size=args.batch_size, lr=args.lr, seed=args.seed, log=log)
     report = {"kvstore": args.kvstore, "accuracy": result["accuracy"],
               "workers": result["workers"], "rank": result["rank"]}
     stats = result["stats"]
     if stats:
-        report.update(bytes_pushed=stats["bytes_pushed"], dense_bytes=stats["dense_bytes"],
+        report.update(bytes_pushed=stats["bytes_pushed"], bytes_pulled=stats["bytes_pulled"],
+                      dense_bytes=stats["dense_bytes"],
                       ratio=stats["ratio"], compressed_layers_ratio=stats["compressed_layers_ratio"],
                       messages_per_step=stats["messages_per_step"],
                       bytes_per_server=stats["bytes_per_server"])
-        log("worker %d: test accuracy %.4f; pushed %.2f MB where dense float32 pushes %.2f MB "
-            "(%.1fx less; compressed layers %.1fx)" % (
+        log("worker %d: test accuracy %.4f; pushed %.2f MB and pulled %.2f MB where dense "
+            "float32 moves %.2f MB each way (push %.1fx less; compressed layers %.1fx)" % (
                 result["rank"], result["accuracy"], stats["bytes_pushed"] / 1e6,
-                stats["dense_bytes"] / 1e6, stats["ratio"], stats["compressed_layers_ratio"]))
+                stats["bytes_pulled"] / 1e6, stats["dense_bytes"] / 1e6, stats["ratio"],
+                stats["compressed_layers_ratio"]))
         for name, layer in sorted(stats["layers"].items()):
             log("  %-40s %-9s %8d -> %7d bytes/step, %.1f messages/step" % (
                 name, layer["policy"], layer["dense_bytes"] // layer["steps"],

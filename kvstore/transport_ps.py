@@ -14,6 +14,7 @@ rank 0 through a dense key of their own.
 import dataclasses
 import os
 import sys
+import threading
 import zlib
 
 import mxnet as mx
@@ -62,11 +63,13 @@ class PSTransport:
       the number of servers, so every server carries the same share of them.
     compress_pull: None, 'layer' or '2bit' (kvstore.policy.compress_pull_mode);
     threshold_scale: of the 2-bit codec the servers encode pulls with.
+    collective_timeout: seconds a worker waits for the others in save_residuals /
+      load_residuals with compress_pull (collective calls) before it fails.
     """
 
     def __init__(self, chunk_elements=DEFAULT_CHUNK_ELEMENTS,
                  bucket_bytes=DEFAULT_BUCKET_BYTES, split_elements=DEFAULT_SPLIT_MIN,
-                 compress_pull=None, threshold_scale=1.0):
+                 compress_pull=None, threshold_scale=1.0, collective_timeout=300.0):
         if os.environ.get("DMLC_ROLE") != "worker":
             raise RuntimeError("the hylo parameter-server transport runs in MXNet worker "
                                "processes (DMLC_ROLE=worker), started by python -m "
@@ -80,6 +83,7 @@ class PSTransport:
         self.split_elements = int(split_elements)
         self.compress_pull = compress_pull
         self.threshold_scale = float(threshold_scale)
+        self.collective_timeout = float(collective_timeout)
         self._codecs = make_compressors()      # decoders of compressed pulls
         self._pending_state = {}  # server state from a checkpoint, restored at exchange
         self._pending_replace = False
@@ -372,10 +376,28 @@ class PSTransport:
         """Switch every server to ``mode`` (kvstore.server.MODES) between two barriers:
         no worker pushes before every server has switched."""
         mx.nd.waitall()      # a push is asynchronous: this worker's last ones must be done
-        self.kv._barrier()
+        self._barrier(mode)
         if self.rank == 0:
             self._send_layouts(mode)
-        self.kv._barrier()
+        self._barrier(mode)
+
+    def _barrier(self, mode):
+        """ps-lite's barrier, with a time limit: it has none, and a worker that alone
+        saves or loads a checkpoint would otherwise wait for the others forever."""
+        done = threading.Event()
+
+        def wait():
+            self.kv._barrier()
+            done.set()
+
+        threading.Thread(target=wait, name="mxhylo-barrier", daemon=True).start()
+        if not done.wait(self.collective_timeout):
+            raise RuntimeError(
+                "worker %d waited %.0f s for the other workers to %s the servers' residuals "
+                "(compress_pull): save_residuals / load_residuals are collective, every "
+                "worker calls them at the same step (LARSTrainer.save_states / load_states "
+                "on every rank)" % (self.rank, self.collective_timeout,
+                                    "save" if mode == "dump" else "load"))
 
     def _compressed_pull_chunks(self):
         """[(layer name, ps key, ChunkLayout)] of every chunk the servers encode."""

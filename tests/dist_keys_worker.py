@@ -4,6 +4,8 @@
     python tests/dist_keys_worker.py mismatch OUT    rank 1 has a differently shaped model
     python tests/dist_keys_worker.py pull:MODE OUT   compressed pull (compress_pull=MODE):
         random gradients through layers cut into several chunks; writes OUT.npz too
+    python tests/dist_keys_worker.py save-alone OUT  only rank 0 saves a compressed-pull
+        checkpoint (a collective call): the job must fail within the time limit
 OUT may contain {rank}; the worker writes its results there as JSON.
 """
 import json
@@ -60,6 +62,20 @@ def compressed_pull(pull_mode):
                "bytes_pushed": stats["bytes_pushed"], "bytes_pulled": stats["bytes_pulled"],
                "dense_bytes": stats["dense_bytes"]}, open(out.format(rank=kv.rank), "w"))
 
+
+def save_alone():
+    """Only rank 0 saves a compressed-pull checkpoint: it must fail, not hang."""
+    kv = mxhylo.create("dist_sync_hylo", compress_pull="2bit", collective_timeout=5)
+    kv.broadcast("fc", mx.nd.zeros((64, 256)), out=mx.nd.zeros((64, 256)))
+    kv.pushpull("fc", mx.nd.ones((64, 256)))
+    if kv.rank == 0:
+        kv.save_residuals(out.format(rank=kv.rank) + ".ckpt")
+    kv.pushpull("fc", mx.nd.ones((64, 256)))
+
+
+if mode == "save-alone":
+    save_alone()
+    sys.exit(0)
 
 if mode.startswith("pull:"):
     compressed_pull(mode[len("pull:"):])

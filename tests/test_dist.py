@@ -71,6 +71,22 @@ def test_hylo_workers_bitwise_identical_and_accuracy_near_dist_sync(tmp_path, di
     assert len(per_server) == 2 and per_server[0] > 0.8 * per_server[1]
 
 
+@pytest.mark.parametrize("pull", ["off", "layer", "2bit"])
+def test_every_pull_mode_keeps_workers_identical_and_accuracy(tmp_path, dist_sync, pull):
+    """Bitwise identical workers after training, accuracy within 1 point of dist_sync,
+    and with a compressed pull, pulled bytes a fraction of the dense aggregate."""
+    params, reports, _ = launch(tmp_path, "pull-" + pull, "--kvstore", "dist_sync_hylo",
+                                "--compress-pull", pull)
+    assert_same(params[0], params[1])
+    dense_acc = dist_sync[1][0]["accuracy"]
+    assert reports[0]["accuracy"] >= dense_acc - 0.01, (reports[0]["accuracy"], dense_acc)
+    pulled, dense = reports[0]["bytes_pulled"], reports[0]["dense_bytes"]
+    if pull == "off":
+        assert pulled >= dense
+    else:
+        assert pulled < dense / 8, (pulled, dense)
+
+
 def test_hylo_without_compression_equals_dist_sync(tmp_path, dist_sync):
     params, _, _ = launch(tmp_path, "off", "--kvstore", "dist_sync_hylo",
                           "--policy", json.dumps({".*": "none"}))
@@ -97,6 +113,13 @@ def test_small_tensors_travel_fused(tmp_path):
         assert report["ok"]
         assert report["messages_per_step"] == 1
         assert sum(report["bytes_per_server"].values()) > 0
+
+
+def test_a_lone_checkpoint_with_compressed_pull_fails_instead_of_hanging(tmp_path):
+    proc, _, seconds = launch_keys_worker(tmp_path, "save-alone", timeout=100)
+    assert proc.returncode != 0
+    assert "save_residuals / load_residuals are collective" in proc.stdout + proc.stderr
+    assert seconds < 60
 
 
 def test_workers_with_different_models_end_the_job(tmp_path):
