@@ -75,10 +75,13 @@ class Hylo(KVStoreBase):
       policy: dict of name regex -> 'conv_topk' | 'fc_2bit' | 'none', tried in order.
       max_conv_rate, min_conv_rate: bounds of the adaptive conv rate.
       threshold_scale: the 2-bit threshold is this times mean |gradient + residual|.
-      compress_pull: how the servers return compressed layers' aggregates: False (dense
-        float32), True / 'layer' (encoded with the layer's own codec family, the
-        servers keeping what they do not send in residuals of their own), or '2bit'
-        (every compressed layer's aggregate as 2-bit); kvstore.policy.compress_pull_mode.
+      compress_pull: how the servers return compressed layers' aggregates: True /
+        'layer' (with the layer's own codec family: a conv layer's k largest filters, an
+        fc layer's 2-bit codes; the servers keep what they do not send in residuals of
+        their own), '2bit' (every compressed layer's aggregate as 2-bit), or False
+        (dense float32, Hylo as published). The default 'auto' is 'layer' over the
+        parameter server and False in one process, where there is no pull to save
+        (README, "Compressed pull", says why 'layer'); kvstore.policy.compress_pull_mode.
       transport: 'auto' (the parameter server when this process is an MXNet worker,
         DMLC_ROLE=worker; in-process otherwise), 'local' or 'ps'.
       chunk_elements, bucket_bytes: parameter-server transport options (largest piece
@@ -87,13 +90,15 @@ class Hylo(KVStoreBase):
     kv_type = "hylo"
 
     def __init__(self, size_threshold=8192, conv_rate=None, policy=None, max_conv_rate=0.1,
-                 min_conv_rate=0.01, threshold_scale=1.0, compress_pull=False,
+                 min_conv_rate=0.01, threshold_scale=1.0, compress_pull="auto",
                  transport="auto", **transport_options):
         self.policy = LayerPolicy(size_threshold=size_threshold, conv_rate=conv_rate,
                                   policy=policy, max_conv_rate=max_conv_rate,
                                   min_conv_rate=min_conv_rate, threshold_scale=threshold_scale)
         self.compressors = make_compressors(threshold_scale)
-        self.compress_pull = compress_pull_mode(compress_pull)
+        if transport == "auto":
+            transport = "ps" if os.environ.get("DMLC_ROLE") == "worker" else "local"
+        self.compress_pull = compress_pull_mode(compress_pull, distributed=transport == "ps")
         self.threshold_scale = float(threshold_scale)
         self.memory = ResidualMemory()
         self.traffic = TrafficStats()
@@ -105,8 +110,6 @@ class Hylo(KVStoreBase):
             active.set_active(self)
 
     def _make_transport(self, transport, options):
-        if transport == "auto":
-            transport = "ps" if os.environ.get("DMLC_ROLE") == "worker" else "local"
         if transport == "local":
             if options:
                 raise TypeError("unknown options for the in-process hylo store: %s"

@@ -144,22 +144,26 @@ class LayerPolicy:
 
 # -- the way back: how the servers return a layer's aggregate (compress_pull) ----------
 
-def compress_pull_mode(value):
+def compress_pull_mode(value, distributed=True):
     """Normalise the compress_pull option.
 
     False / None / 'off': the aggregate comes back dense float32 (Hylo as published);
     True / 'layer': compressed with the codec of the layer's own family (conv_topk
     layers' aggregates as top-k filters at the layer's rate, fc_2bit layers' as 2-bit);
-    '2bit': every compressed layer's aggregate as 2-bit. Returns None, 'layer' or '2bit'.
+    '2bit': every compressed layer's aggregate as 2-bit; 'auto': 'layer' when
+    ``distributed`` (over the parameter server), off in one process (nothing to save).
+    Returns None, 'layer' or '2bit'.
     """
+    if value == "auto":
+        return "layer" if distributed else None
     if value is None or value is False or value == "off":
         return None
     if value is True or value == "layer":
         return "layer"
     if value == "2bit":
         return "2bit"
-    raise ValueError("compress_pull must be False, True, 'off', 'layer' or '2bit', got %r"
-                     % (value,))
+    raise ValueError("compress_pull must be 'auto', False, True, 'off', 'layer' or '2bit', "
+                     "got %r" % (value,))
 
 
 def pull_codec(strategy, mode):

@@ -753,3 +753,11 @@ def test_distributed_compressed_pull(tmp_path, mode):
         assert r["bytes_pulled"] < 1.2 * r["bytes_pushed"], r
         assert r["bytes_pulled"] < 0.4 * r["dense_bytes"], r
     assert reports[0]["bytes_pulled"] == reports[1]["bytes_pulled"]
+
+
+def test_default_compresses_the_pull_only_over_the_parameter_server():
+    assert compress_pull_mode("auto", distributed=True) == "layer"
+    assert compress_pull_mode("auto", distributed=False) is None
+    kv = mxhylo.create()                      # in one process: nothing to save
+    assert kv.compress_pull is None and kv.stats()["options"]["compress_pull"] is None
+    assert mxhylo.create(compress_pull="2bit").compress_pull == "2bit"
