@@ -114,15 +114,17 @@ def two_bit_values(n_elements):
     return -(-words * 32 // 24)
 
 
-def _pieces(n, chunk_elements, num_servers, split_min, unit):
+def _pieces(n, chunk_elements, num_servers, split_min, unit, wire_fraction=1.0):
     """Cut n units-aligned elements into near-equal pieces [(lo, hi)].
 
-    At least ceil(n / chunk_elements) pieces; a layer of split_min elements or more
-    is cut into a multiple of num_servers pieces, so that placing them one by one on
-    the least-loaded server gives every server the same share of it.
+    At least ceil(n / chunk_elements) pieces; a layer that puts split_min elements or
+    more on the wire per step (n * wire_fraction) is cut into a multiple of num_servers
+    pieces, so that placing them one by one on the least-loaded server gives every
+    server the same share of it. Smaller ones stay whole: every key costs a message
+    each way per worker, and on few cores messages, not bytes, bound a small layer.
     """
     count = -(-n // chunk_elements)
-    if n >= split_min and num_servers > 1:
+    if n * wire_fraction >= split_min and num_servers > 1:
         count = -(-count // num_servers) * num_servers
     step = -(-n // count)
     step = -(-step // unit) * unit
@@ -143,11 +145,16 @@ def plan_chunks(strategy, shape, num_workers, num_servers=1,
     n = int(np.prod(shape)) if shape else 1
     if strategy == "conv_topk":
         per_filter = n // shape[0]
+        # the larger direction on the wire: pushes carry about ``rate`` of the filters
+        # (up to the maximum rate, 0.1); pulls the same, 1/16 (2-bit) or everything
+        pull_fraction = {"dense": 1.0, "fc_2bit": 1.0 / 16,
+                         "conv_topk": pull_rate or 1.0}[pull]
+        wire_fraction = max(pull_fraction, pull_rate or 0.1)
         layouts = [ChunkLayout("topk", lo // per_filter, hi // per_filter, hi - lo,
                                cols=per_filter, rows=(hi - lo) // per_filter,
                                dense_rows=(hi - lo) // per_filter)
                    for lo, hi in _pieces(n, max(chunk_elements, per_filter), num_servers,
-                                         split_min, per_filter)]
+                                         split_min, per_filter, wire_fraction)]
     else:
         # 2-bit pieces start on a code word (16 elements)
         pieces = _pieces(n, chunk_elements, num_servers, split_min, 16)

@@ -58,9 +58,10 @@ fc_2bit), and is the net every other digits result of the project uses.
 
 Reported accuracy is rank 0's (every rank's is in the JSON). Each worker also
 reports a checksum of its trainable parameters, which synchronous workers must share;
-``diverged_runs`` lists the seeds where they did not. Seen here: 2 of 18 checksummed
-native runs (dense seed 0 and 2bit seed 2 of one study, on a loaded machine) ended with
-workers holding different parameters and lower accuracy (96.9%, 95.8%); two
+``diverged_runs`` lists the seeds where they did not. Seen here: 3 of 24 checksummed
+native runs (dense seed 0 and 2bit seed 2 of one study, on a loaded machine, and dense
+seed 0 of the next) ended with workers holding different parameters and lower accuracy
+(96.9%, 95.8%, 96.0%); two
 earlier dense runs, before the checksum, ended as low (96.0%, 66.6%), probably the
 same way. No hylo run diverged (its servers hand every worker the same decoded
 aggregate; with compressed pull, the same encoded one; the checks require identical
