@@ -483,8 +483,10 @@ class LARSTrainer(gluon.Trainer):
         ``fname`` gets the optimizer (schedule position, hyper-parameters), momentum and
         fp32 master weights, and the loss scaler's state; when the kvstore has
         ``save_residuals``, its error-feedback residuals go to ``fname + '.residuals'``
-        (``'.residuals.rank<r>'`` with several workers). Save the parameters with
-        ``net.save_parameters``. The write is atomic.
+        (``'.residuals.rank<r>'`` with several workers; with hylo's compressed pull the
+        servers' residuals too, which makes this call collective: every worker calls
+        it at the same step). Save the parameters with ``net.save_parameters``. The
+        write is atomic.
         """
         self._ensure_kvstore()
         state = {"format": _CKPT_FORMAT,
