@@ -454,15 +454,17 @@ class PSTransport:
         self._pending_replace = False
         if not chunks:
             return
+        for name, _, _ in chunks:       # checked before any server changes mode
+            residual = self._pending_state.get(name, (None, []))[0]
+            if residual is not None and np.shape(residual) != self._layer_shapes[name]:
+                raise ValueError("server residual of layer %r in the checkpoint has shape "
+                                 "%s, the layer %s" % (name, np.shape(residual),
+                                                       self._layer_shapes[name]))
         self._server_mode("load")
         for name, pskey, chunk in chunks:
             residual, thresholds = self._pending_state.get(name, (None, []))
             if residual is None:
                 residual = np.zeros(self._layer_shapes[name], np.float32)
-            if np.shape(residual) != self._layer_shapes[name]:
-                raise ValueError("server residual of layer %r in the checkpoint has shape "
-                                 "%s, the layer %s" % (name, np.shape(residual),
-                                                       self._layer_shapes[name]))
             if self.rank == 0:
                 values = np.zeros(chunk.state_rows * chunk.cols, np.float32)
                 values[:chunk.size] = np.asarray(residual, np.float32).reshape(-1)[
