@@ -294,6 +294,30 @@ def job_timeout(summary, num_workers, steps, warmup):
                              + num_workers * summary["dense_bytes"] / _CPU_BYTES_PER_S)
 
 
+def pull_checks(report, modes=("hylo_pull", "hylo_pull2bit"), min_speedup=4.0,
+                max_fraction=1.0 / 8):
+    """The compressed-pull bar, per model and compressed-pull mode that ran with the
+    baseline: at least ``min_speedup`` x dense pushpull, and wire bytes per direction
+    (interface counters) at most ``max_fraction`` of the baseline's."""
+    checks = {}
+    for model, per_mode in report["results"].items():
+        base = per_mode.get(BASELINE, {})
+        if base.get("status") != "ok" or "wire" not in base:
+            continue
+        for mode in modes:
+            res = per_mode.get(mode, {})
+            if res.get("status") != "ok" or "wire" not in res:
+                continue
+            push = res["wire"]["push_bytes_per_step"] / base["wire"]["push_bytes_per_step"]
+            pull = res["wire"]["pull_bytes_per_step"] / base["wire"]["pull_bytes_per_step"]
+            speedup = res["speedup_vs_" + BASELINE]
+            checks["%s/%s" % (model, mode)] = {
+                "speedup": speedup, "push_fraction": push, "pull_fraction": pull,
+                "ok": bool(speedup >= min_speedup and push <= max_fraction
+                           and pull <= max_fraction)}
+    return checks
+
+
 def format_table(report):
     lines = ["%-14s %-16s %9s %8s %11s %11s %11s" % ("model", "mode", "s/exch", "speedup",
                                                       "push MB/st", "pull MB/st", "hylo MB/st")]
@@ -704,8 +728,13 @@ def run(args):
                 signal.signal(s, h)
 
     report["table"] = format_table(report)
+    report["pull_checks"] = pull_checks(report)
     for line in report["table"]:
         _log(line)
+    for name, check in sorted(report["pull_checks"].items()):
+        _log("%-28s %.2fx dense pushpull, push %.3f / pull %.3f of dense: %s" % (
+            name, check["speedup"], check["push_fraction"], check["pull_fraction"],
+            "ok" if check["ok"] else "BELOW the bar (>= 4x, <= 1/8 each way)"))
     if plot:
         write_plot(report, plot)
         report["plot"] = plot
