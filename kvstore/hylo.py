@@ -99,7 +99,6 @@ class Hylo(KVStoreBase):
         if transport == "auto":
             transport = "ps" if os.environ.get("DMLC_ROLE") == "worker" else "local"
         self.compress_pull = compress_pull_mode(compress_pull, distributed=transport == "ps")
-        self.threshold_scale = float(threshold_scale)
         self.memory = ResidualMemory()
         self.traffic = TrafficStats()
         self._layers = {}
@@ -114,11 +113,11 @@ class Hylo(KVStoreBase):
             if options:
                 raise TypeError("unknown options for the in-process hylo store: %s"
                                 % ", ".join(sorted(options)))
-            return LocalTransport(self.compress_pull, self.threshold_scale)
+            return LocalTransport(self.compress_pull, self.policy.threshold_scale)
         if transport == "ps":
             from .transport_ps import PSTransport
             return PSTransport(compress_pull=self.compress_pull,
-                               threshold_scale=self.threshold_scale, **options)
+                               threshold_scale=self.policy.threshold_scale, **options)
         raise ValueError("transport must be 'auto', 'local' or 'ps', got %r" % (transport,))
 
     # -- KVStoreBase contract ------------------------------------------------------------
