@@ -9,10 +9,24 @@ Where: ``ops/_build/`` next to this file, or ``$XDG_CACHE_HOME/mxhylo``
 (default ``~/.cache/mxhylo``) when that is not writable (a read-only
 install), or ``$MXHYLO_BUILD_DIR`` when set.
 
+ISA level: ``MXHYLO_ISA`` (or the ``isa`` argument of build()/load()) picks
+the instruction set the library is compiled for (-march=...):
+  native     this CPU's own (the default; AVX-512 where the CPU has it)
+  x86-64-v4  AVX-512 (F, BW, CD, DQ, VL)
+  x86-64-v3  AVX2, FMA, F16C, BMI (any x86 CPU since about 2015)
+  x86-64-v2  SSE4.2, POPCNT
+  x86-64     the portable baseline (SSE2), also spelled 'baseline'
+Every level computes bitwise the same results (one source, no per-ISA
+arithmetic; tests/test_ops.py compares the builds). A process loads ONE
+library into MXNet (the operator names would clash): to compare levels, use
+one process per level (python -m mxhylo.bench ops does). load() refuses a
+level this CPU cannot run, naming the missing CPU features (see
+missing_features()), instead of dying on an illegal instruction.
+
 Cache key: sha256 of the operator source, MXNet's lib_api.h/lib_api.cc, the
-MXNet version, the compiler command and flags, and the CPU model (the flags
-include -march=native, so a library built on one CPU must not be reused on
-another that shares the cache directory, e.g. an NFS home).
+MXNet version, the compiler command and flags (which include -march=<level>),
+and, for 'native', the CPU model (a library built for one CPU must not be
+reused on another that shares the cache directory, e.g. an NFS home).
 
 Concurrency: the parameter-server roles of a job (scheduler, servers,
 workers) often start at the same moment. Builders serialise on an fcntl
@@ -21,6 +35,7 @@ place, so a reader never sees a half-written library and the compiler runs
 once.
 
 Environment:
+  MXHYLO_ISA        ISA level (default native), see above
   MXHYLO_CXX        compiler (default: c++ / g++ on PATH)
   MXHYLO_CXXFLAGS   extra flags appended to the defaults (part of the key)
   MXHYLO_BUILD_DIR  build/cache directory
@@ -40,14 +55,30 @@ import mxnet as mx
 SRC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "src")
 SOURCE = os.path.join(SRC_DIR, "hylo_ops.cc")
 
-# -march=native (measured with mxhylo.bench ops, 16M elements, 1 thread):
-# quantize_2bit 8.6 GB/s vs 0.24 GB/s for generic x86-64, whose SSE2 cannot
-# if-convert the selects; it also enables the AVX-512 kernels and F16C.
-# -fopenmp: large tensors are split over OpenMP threads; the count follows
-# OMP_NUM_THREADS, else MXNet's own choice for its operators (1 on a 2-vCPU
-# machine). A second thread helped when a core was idle (quantize 7.5 -> 9.2
-# GB/s) and hurt when the machine was shared.
-BASE_FLAGS = ["-O3", "-std=c++11", "-shared", "-fPIC", "-march=native", "-fopenmp"]
+# One thread, no OpenMP: every kernel runs on the MXNet engine thread that
+# calls it. A kernel reaches memory speed on one thread with AVX2 or AVX-512
+# (python -m mxhylo.bench ops), and an OpenMP team left behind by a kernel
+# would wait (spinning first) on cores that forward and backward need.
+# -ffp-contract=off: no FMA contraction, so float results cannot depend on
+# whether the level has FMA. -Wno-psabi: the GCC vector types of the kernels
+# are always inlined, never passed across an ABI boundary.
+BASE_FLAGS = ["-O3", "-std=c++11", "-shared", "-fPIC", "-ffp-contract=off", "-Wno-psabi"]
+
+# ISA level -> (-march value, /proc/cpuinfo flags the level needs). The flag
+# lists are the x86-64 psABI levels (each includes the ones before it).
+_V2 = ["cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"]
+_V3 = _V2 + ["abm", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"]
+_V4 = _V3 + ["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"]
+ISA_LEVELS = {
+    "native": ("native", []),
+    "x86-64-v4": ("x86-64-v4", _V4),
+    "x86-64-v3": ("x86-64-v3", _V3),
+    "x86-64-v2": ("x86-64-v2", _V2),
+    "x86-64": ("x86-64", ["sse2"]),
+}
+ISA_ALIASES = {"baseline": "x86-64", "avx2": "x86-64-v3", "avx512": "x86-64-v4",
+               "v2": "x86-64-v2", "v3": "x86-64-v3", "v4": "x86-64-v4"}
+DEFAULT_ISA = "native"
 COMPILE_TIMEOUT_S = 300
 
 
@@ -77,8 +108,55 @@ def compiler():
     raise BuildError("no C++ compiler found (set MXHYLO_CXX or install g++)")
 
 
-def flags():
-    return BASE_FLAGS + shlex.split(os.environ.get("MXHYLO_CXXFLAGS", ""))
+def normalize_isa(isa=None):
+    """The canonical name of an ISA level: `isa`, else $MXHYLO_ISA, else 'native'."""
+    if isa is None:
+        isa = os.environ.get("MXHYLO_ISA", "").strip() or DEFAULT_ISA
+    name = ISA_ALIASES.get(isa.lower(), isa.lower())
+    if name not in ISA_LEVELS:
+        raise BuildError("unknown ISA level %r (MXHYLO_ISA): choose from %s" % (
+            isa, ", ".join(list(ISA_LEVELS) + sorted(ISA_ALIASES))))
+    return name
+
+
+def flags(isa=None):
+    """Compiler flags for an ISA level (default: $MXHYLO_ISA, else native)."""
+    march = ISA_LEVELS[normalize_isa(isa)][0]
+    return BASE_FLAGS + ["-march=" + march] + shlex.split(os.environ.get("MXHYLO_CXXFLAGS", ""))
+
+
+def cpu_flags():
+    """The set of feature flags /proc/cpuinfo lists for this CPU (empty if unknown)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def is_x86_64():
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def missing_features(isa=None, cpu=None):
+    """CPU features an ISA level needs that this CPU (or the `cpu` flag set) lacks.
+
+    [] when the level can run here. On a CPU that is not x86-64, every level
+    but 'native' is missing 'x86-64'.
+    """
+    name = normalize_isa(isa)
+    if name == "native":
+        return []
+    if cpu is None:
+        if not is_x86_64():
+            return ["x86-64"]
+        cpu = cpu_flags()
+        if not cpu:  # no /proc/cpuinfo: cannot tell, let the loader try
+            return []
+    return [f for f in ISA_LEVELS[name][1] if f not in cpu]
 
 
 def _cpu_model():
@@ -93,13 +171,15 @@ def _cpu_model():
 
 
 def cache_key(cxx, cxxflags):
-    """Hex digest naming the library: sources + mxnet version + compiler/flags + CPU."""
+    """Hex digest naming the library: sources + mxnet version + compiler/flags (+ the
+    CPU model when the flags say -march=native)."""
     include, lib_api_cc = lib_api_paths()
     h = hashlib.sha256()
     for path in (SOURCE, lib_api_cc, os.path.join(include, "mxnet", "lib_api.h")):
         with open(path, "rb") as f:
             h.update(f.read())
-    for part in [mx.__version__, _cpu_model()] + list(cxx) + list(cxxflags):
+    cpu = [_cpu_model()] if "-march=native" in cxxflags else []
+    for part in [mx.__version__] + cpu + list(cxx) + list(cxxflags):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:16]
 
@@ -146,10 +226,11 @@ def _compile(cxx, cxxflags, target, log_path):
             cxx[0], proc.returncode, log_path, (": " + " | ".join(tail)) if tail else ""))
 
 
-def build():
-    """Return the path of an up-to-date library, compiling it if needed."""
+def build(isa=None):
+    """Return the path of an up-to-date library for an ISA level (default:
+    $MXHYLO_ISA, else native), compiling it if needed."""
     cxx = compiler()
-    cxxflags = flags()
+    cxxflags = flags(isa)
     key = cache_key(cxx, cxxflags)
     directory = build_dir()
     target = os.path.join(directory, "libhylo_ops-%s.so" % key)
@@ -175,18 +256,35 @@ _lock = threading.Lock()
 _state = {}
 
 
-def load():
+def load(isa=None):
     """Build (if needed) and load the library once per process; return its path.
 
+    isa: the ISA level (default: $MXHYLO_ISA, else native). One library per
+    process: asking for another level after one is loaded raises BuildError.
     Raises BuildError, every time it is called, if the first attempt failed.
     """
     with _lock:
-        if "path" in _state:
-            return _state["path"]
         if "error" in _state:
             raise _state["error"]
         try:
-            path = build()
+            name = normalize_isa(isa)
+        except BuildError as err:
+            if "path" in _state:  # a bad argument must not poison the loaded library
+                raise
+            _state["error"] = err
+            raise
+        if "path" in _state:
+            if isa is not None and name != _state["isa"]:
+                raise BuildError("this process already loaded the %s library (%s); one "
+                                 "process can load only one (run %s in a subprocess)" % (
+                                     _state["isa"], _state["path"], name))
+            return _state["path"]
+        try:
+            missing = missing_features(name)
+            if missing:
+                raise BuildError("ISA level %s needs CPU features this CPU lacks: %s" % (
+                    name, ", ".join(missing)))
+            path = build(name)
             mx.library.load(path, verbose=False)
             if not hasattr(mx.nd, "hylo_quantize_2bit"):
                 raise BuildError("%s loaded but registered no hylo_* operators" % path)
@@ -197,7 +295,13 @@ def load():
             _state["error"] = BuildError("loading the operator library failed: %s" % err)
             raise _state["error"] from None
         _state["path"] = path
+        _state["isa"] = name
         return path
+
+
+def loaded_isa():
+    """The ISA level of the library this process loaded, or None."""
+    return _state.get("isa")
 
 
 def _c_library():
@@ -207,12 +311,29 @@ def _c_library():
     return ctypes.CDLL(load())
 
 
+def build_info():
+    """What the loaded library was compiled with, as a dict: the ISA level and the
+    instruction sets the compiler targeted, e.g. {'isa': 'x86-64-v3', 'avx2': True,
+    'avx512f': False, 'f16c': True, 'openmp': False, 'simd_kernels': False}."""
+    import ctypes
+    lib = _c_library()
+    lib.hylo_build_info.restype = ctypes.c_char_p
+    info = {"isa": loaded_isa()}
+    for item in lib.hylo_build_info().decode().split():
+        key, _, value = item.partition("=")
+        info[key] = value == "1"
+    return info
+
+
 def set_num_threads(n):
-    """Threads the C++ kernels use; 0 = follow OpenMP (OMP_NUM_THREADS). Returns n."""
-    return _c_library().hylo_set_num_threads(int(n))
+    """Kept for compatibility: the kernels run on the calling thread (no OpenMP,
+    see BASE_FLAGS). Returns 1."""
+    _c_library()
+    return 1
 
 
 def set_simd(on):
-    """Use the AVX-512 kernels (when compiled in, the default) or the portable
-    loops; returns whether AVX-512 is now in use. For tests and the benchmark."""
+    """Use the AVX-512 row-norm kernel of select_kernels (when compiled in, the
+    default) or the portable loop; returns whether AVX-512 is now in use. Both
+    give bitwise the same results. For tests and the benchmark."""
     return bool(_c_library().hylo_set_simd(1 if on else 0))

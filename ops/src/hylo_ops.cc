@@ -35,9 +35,6 @@
 #include <utility>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -51,48 +48,15 @@ namespace {
 typedef std::unordered_map<std::string, std::string> Attrs;
 
 // ---------------------------------------------------------------- threading
-// 0 = follow OpenMP: omp_get_max_threads() in the calling engine thread, which
-// is OMP_NUM_THREADS when set and otherwise the count MXNet chose for its own
-// operators. hylo_set_num_threads() overrides it (used by the benchmark).
-int g_num_threads = 0;
+// None: every kernel runs on the MXNet engine thread that calls it. One
+// thread reaches memory speed (python -m mxhylo.bench ops), and no thread of
+// this library is left waiting, or spinning, on cores that forward and
+// backward need between exchanges (the library is built without OpenMP).
 
-// Below this many elements per thread the fork/join costs more than it saves.
-const int64_t kMinElemsPerThread = 1 << 16;
-
-int threads_for(int64_t elements) {
-#ifdef _OPENMP
-  int nt = g_num_threads > 0 ? g_num_threads : omp_get_max_threads();
-  int64_t useful = elements / kMinElemsPerThread;
-  if (useful < nt) nt = static_cast<int>(useful);
-  return nt < 1 ? 1 : nt;
-#else
-  (void)elements;
-  return 1;
-#endif
-}
-
-// Runs body(tid, begin, end) over a static split of [0, items) into at most
-// `nt` contiguous ranges; returns the number of ranges actually used.
-template <typename Body>
-int parallel_ranges(int64_t items, int nt, Body body) {
-  if (nt <= 1 || items < 2) {
-    body(0, int64_t(0), items);
-    return 1;
-  }
-  int used = 1;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(nt)
-  {
-    const int tid = omp_get_thread_num();
-    const int got = omp_get_num_threads();
-    if (tid == 0) used = got;
-    body(tid, items * tid / got, items * (tid + 1) / got);
-  }
-#else
-  body(0, int64_t(0), items);
-#endif
-  return used;
-}
+// 1: use the AVX-512 row-norm kernel of select_kernels when compiled in;
+// hylo_set_simd(0) selects the portable loop (both give bitwise the same
+// results; the tests run both).
+int g_simd = 1;
 
 // ---------------------------------------------------------------- helpers
 inline bool is_finite(float a) { return std::fabs(a) <= FLT_MAX; }  // false for NaN, Inf
@@ -231,168 +195,151 @@ MXReturnValue mutate_residual(const Attrs&, std::vector<int>* idx) {
 }
 
 // ===================================================== 2-bit quantization
-// Elements per inner chunk: the code and |a| buffers live in L1.
-const int64_t kChunk = 1024;
-
-// Sum of x[0..m) in 16 fixed lanes: vectorizes without -ffast-math, and the
-// order does not depend on the data's alignment.
-inline float lane_sum(const float* x, int64_t m) {
-  float acc[16] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int64_t i = 0;
-  for (; i + 16 <= m; i += 16)
-    for (int j = 0; j < 16; ++j) acc[j] += x[i + j];
-  for (int j = 0; i < m; ++i, ++j) acc[j] += x[i];
-  float s = 0.f;
-  for (int j = 0; j < 16; ++j) s += acc[j];
-  return s;
-}
-
-// Quantizes words [w0, w1) (elements [16*w0, min(16*w1, n))). With
-// kWrite = false only the statistics are computed and nothing is written.
-template <typename T, bool kWrite>
-void quantize_range(const T* g, float* r, uint32_t* codes, int64_t n, float t,
-                    int64_t w0, int64_t w1, double* l1_out, double* bad_out) {
-  float gbuf[kChunk];
-  float abuf[kChunk];
-  uint32_t cbuf[kChunk];
-  double l1 = 0.0;
-  int64_t bad = 0;
-  for (int64_t wc = w0; wc < w1; wc += kChunk / 16) {
-    const int64_t we = std::min(wc + kChunk / 16, w1);
-    const int64_t e0 = wc * 16;
-    const int64_t m = std::min(we * 16, n) - e0;
-    const float* gf = as_float(g + e0, m, gbuf);
-    float* rr = r + e0;
-    // The element loops must vectorize: as scalar code with branches on
-    // random signs it ran ~10x slower. GCC 12 if-converts them only in this
-    // form: int 0/1 flags, plain ternary selects, the old residual read into
-    // a local, and no reduction inside (|a| goes to abuf, the non-finite flag
-    // to bit 2 of cbuf; both are summed in separate simple loops).
-    if (kWrite) {
-      for (int64_t i = 0; i < m; ++i) {
-        const float r0 = rr[i];
-        const float a = gf[i] + r0;
-        const float absa = std::fabs(a);
-        const int fin = absa <= FLT_MAX;  // 0 for NaN and +-Inf
-        const int pos = fin & (a >= t);
-        const int neg = fin & (a <= -t);
-        const float q = pos ? t : (neg ? -t : 0.f);
-        abuf[i] = fin ? absa : 0.f;
-        cbuf[i] = static_cast<uint32_t>(pos | (neg << 1) | ((1 - fin) << 2));
-        const float d = a - q;
-        rr[i] = fin ? d : r0;
-      }
-    } else {
-      for (int64_t i = 0; i < m; ++i) {
-        const float absa = std::fabs(gf[i] + rr[i]);
-        const int fin = absa <= FLT_MAX;
-        abuf[i] = fin ? absa : 0.f;
-        cbuf[i] = static_cast<uint32_t>((1 - fin) << 2);
-      }
-    }
-    l1 += lane_sum(abuf, m);
-    uint32_t nb = 0;
-    for (int64_t i = 0; i < m; ++i) nb += cbuf[i] >> 2;
-    bad += nb;
-    if (kWrite) {
-      for (int64_t i = m; i < (we - wc) * 16; ++i) cbuf[i] = 0;  // unused tail bits are zero
-      for (int64_t w = 0; w < we - wc; ++w) {
-        uint32_t word = 0;
-        for (int j = 0; j < 16; ++j) word |= (cbuf[w * 16 + j] & 3u) << (2 * j);
-        codes[wc + w] = word;
-      }
-    }
-  }
-  *l1_out = l1;
-  *bad_out = static_cast<double>(bad);
-}
+// One source for every ISA level: the element math is written on GCC vector
+// types as wide as the target's registers (kW floats: 16 with AVX-512, 8
+// with AVX2, 4 with SSE2; GCC scalarizes compares on wider types), a code
+// word of 16 elements being 16 / kW of them. Every operation is an
+// elementwise IEEE float32 add/sub, a compare or a bitwise select, so each
+// level computes bitwise the same codes and residuals, branch-free; and the
+// sum of |a| has one fixed order (below), so the statistics match bit for bit.
+//
+// The sum of |a| (stats[0]): element i goes to float lane i % 16; every
+// chunk of kChunk elements (counted from element 0) is summed lane by lane
+// in element order, the 16 lanes are then added in lane order (0, 1, .., 15)
+// into one float, and the chunks' floats are added in order into a double.
+// The same order in every build, whatever the vector width.
+const int64_t kChunk = 1024;  // elements; a multiple of 16. fp16 is converted per chunk.
 
 #if defined(__AVX512F__)
-// AVX-512 version of quantize_range, used when the compiler targets it
-// (-march=native on such a CPU) unless hylo_set_simd(0) turned it off. The
-// compares yield 16-bit lane masks directly, so packing a word is two bit
-// spreads instead of a pass over a code buffer. Measured 1.6x the portable
-// loop in cache (16 vs 10 GB/s) and 1.4-1.6x on 64 MB gradients, where it
-// runs at 70-80% of memcpy (python -m mxhylo.bench ops).
-inline uint32_t spread_bits(uint32_t x) {  // bit i -> bit 2i, i < 16
-  x = (x | (x << 8)) & 0x00FF00FFu;
-  x = (x | (x << 4)) & 0x0F0F0F0Fu;
-  x = (x | (x << 2)) & 0x33333333u;
-  x = (x | (x << 1)) & 0x55555555u;
-  return x;
-}
-
-inline __m512 load16(const float* p, int64_t left, __mmask16 live) {
-  return left >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(live, p);
-}
-inline __m512 load16(const uint16_t* p, int64_t left, __mmask16) {
-  if (left >= 16) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  uint16_t tmp[16] = {0};
-  std::memcpy(tmp, p, static_cast<size_t>(left) * sizeof(uint16_t));
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tmp)));
-}
-
-template <typename T, bool kWrite>
-void quantize_range_avx512(const T* g, float* r, uint32_t* codes, int64_t n, float t,
-                           int64_t w0, int64_t w1, double* l1_out, double* bad_out) {
-  const __m512 tv = _mm512_set1_ps(t), ntv = _mm512_set1_ps(-t);
-  const __m512 fmax = _mm512_set1_ps(FLT_MAX);
-  double l1 = 0.0;
-  int64_t bad = 0;
-  for (int64_t wc = w0; wc < w1; wc += kChunk / 16) {
-    const int64_t we = std::min(wc + kChunk / 16, w1);
-    __m512 acc = _mm512_setzero_ps();  // float partial sums over one chunk only
-    for (int64_t w = wc; w < we; ++w) {
-      const int64_t i = w * 16, left = n - i;
-      // Lanes past n (last word only) load as 0: finite, code 0, |a| = 0.
-      const __mmask16 live = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
-      const __m512 r0 = _mm512_maskz_loadu_ps(live, r + i);
-      const __m512 a = _mm512_add_ps(load16(g + i, left, live), r0);
-      const __m512 absa = _mm512_abs_ps(a);
-      const __mmask16 fin = _mm512_cmp_ps_mask(absa, fmax, _CMP_LE_OQ);  // false for NaN/Inf
-      acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(fin, absa));
-      bad += __builtin_popcount(static_cast<unsigned>(live & ~fin));
-      if (kWrite) {
-        const __mmask16 pos = _mm512_mask_cmp_ps_mask(fin, a, tv, _CMP_GE_OQ);
-        const __mmask16 neg = _mm512_mask_cmp_ps_mask(fin, a, ntv, _CMP_LE_OQ);
-        const __m512 q = _mm512_mask_mov_ps(_mm512_maskz_mov_ps(neg, ntv), pos, tv);
-        const __m512 d = _mm512_sub_ps(a, q);
-        _mm512_mask_storeu_ps(r + i, live, _mm512_mask_mov_ps(r0, fin, d));
-        codes[w] = spread_bits(pos) | (spread_bits(neg) << 1);
-      }
-    }
-    l1 += _mm512_reduce_add_ps(acc);
-  }
-  *l1_out = l1;
-  *bad_out = static_cast<double>(bad);
-}
+const int kW = 16;
+#elif defined(__AVX2__)
+const int kW = 8;
+#else
+const int kW = 4;
 #endif
+const int kV = 16 / kW;  // vectors per code word
+typedef float vf __attribute__((vector_size(4 * kW)));
+typedef int32_t vi __attribute__((vector_size(4 * kW)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+typedef int32_t v2i __attribute__((vector_size(8)));
+#define HYLO_INLINE inline __attribute__((always_inline))
 
-// 1: use the AVX-512 kernels when compiled in; hylo_set_simd(0) selects the
-// portable loops (tests run both; the benchmark compares them).
-int g_simd = 1;
+HYLO_INLINE vf loadv(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
 
+HYLO_INLINE void storev(float* p, vi v) { std::memcpy(p, &v, sizeof(v)); }
+
+HYLO_INLINE vi as_int(vf v) {
+  vi i;
+  std::memcpy(&i, &v, sizeof(i));
+  return i;
+}
+
+HYLO_INLINE vf as_float(vi v) {
+  vf f;
+  std::memcpy(&f, &v, sizeof(f));
+  return f;
+}
+
+// Packing 16 codes c_j in {0, 1, 2} into sum of c_j << 2j with shifts by
+// constants only (SSE2 has no per-lane shift): fold the upper half of the
+// codes onto the lower half shifted by 16 bits, then by 8, 4, 2. Code j ends
+// at bit 16*b3 + 8*b2 + 4*b1 + 2*b0 = 2j, where j = 8*b3 + 4*b2 + 2*b1 + b0.
+// First across the kV vectors of a word, then inside the last vector.
+HYLO_INLINE uint32_t fold_lanes(v4i c) {  // codes at 4 lanes, shifts 4 and 2 left
+  const v2i c2 = __builtin_shufflevector(c, c, 0, 1) | (__builtin_shufflevector(c, c, 2, 3) << 4);
+  return static_cast<uint32_t>(c2[0] | (c2[1] << 2));
+}
+HYLO_INLINE uint32_t fold_lanes(v8i c) {
+  return fold_lanes(v4i(__builtin_shufflevector(c, c, 0, 1, 2, 3) |
+                        (__builtin_shufflevector(c, c, 4, 5, 6, 7) << 8)));
+}
+HYLO_INLINE uint32_t fold_lanes(v16i c) {
+  return fold_lanes(v8i(__builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7) |
+                        (__builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15) << 16)));
+}
+HYLO_INLINE uint32_t pack_word(vi* c) {  // c[v] holds codes kW*v .. kW*v + kW-1
+  for (int cnt = kV, shift = 16; cnt > 1; cnt /= 2, shift /= 2)
+    for (int v = 0; v < cnt / 2; ++v) c[v] |= c[v + cnt / 2] << shift;
+  return fold_lanes(c[0]);
+}
+
+// Sixteen elements (one code word): a = g + r; the residual (kWrite), |a| of
+// finite a into acc[v], non-finite counts into bad[v] (-1 per element).
+// Returns the code word (0 without kWrite).
+template <bool kWrite>
+HYLO_INLINE uint32_t quantize_word(const float* g, float* r, vf t, vf nt, vf* acc, vi* bad) {
+  const vi kAbs = vi{} + 0x7fffffff;
+  const vf fmax = vf{} + FLT_MAX;
+  vi c[kV];
+  for (int v = 0; v < kV; ++v) {
+    const vf r0 = loadv(r + kW * v);
+    const vf a = loadv(g + kW * v) + r0;
+    const vi absi = as_int(a) & kAbs;
+    const vi fin = as_float(absi) <= fmax;  // -1, or 0 for NaN and +-Inf
+    acc[v] += as_float(absi & fin);         // |a|, or +0 if not finite
+    bad[v] += ~fin;
+    if (!kWrite) continue;
+    const vi pos = fin & (a >= t);
+    const vi neg = fin & (a <= nt);
+    const vf q = as_float((pos & as_int(t)) | (neg & as_int(nt)));  // +t, -t or +0
+    storev(r + kW * v, (as_int(a - q) & fin) | (as_int(r0) & ~fin));  // non-finite: old r
+    c[v] = (pos & 1) | (neg & 2);
+  }
+  return kWrite ? pack_word(c) : 0;
+}
+
+// Quantizes all n elements (kWrite = false: statistics only, nothing written).
 template <typename T, bool kWrite>
 void quantize_all(const T* g, float* r, uint32_t* codes, int64_t n, float t, float* stats) {
-  const int64_t words = (n + 15) / 16;
-  const int nt = threads_for(n);
-  std::vector<double> l1(nt, 0.0), bad(nt, 0.0);
-  parallel_ranges(words, nt, [&](int tid, int64_t b, int64_t e) {
-#if defined(__AVX512F__)
-    if (g_simd) {
-      quantize_range_avx512<T, kWrite>(g, r, codes, n, t, b, e, &l1[tid], &bad[tid]);
-      return;
+  float gbuf[kChunk];  // fp16 chunk as float32
+  const vf tv = vf{} + t, ntv = vf{} - t;
+  double l1 = 0.0;
+  int64_t nbad = 0;
+  for (int64_t e0 = 0; e0 < n; e0 += kChunk) {
+    const int64_t m = std::min(kChunk, n - e0);
+    const float* gf = as_float(g + e0, m, gbuf);
+    float* rr = r + e0;
+    uint32_t* cc = kWrite ? codes + e0 / 16 : nullptr;
+    vf acc[kV];
+    vi bad[kV];
+    for (int v = 0; v < kV; ++v) {
+      acc[v] = vf{};
+      bad[v] = vi{};
     }
-#endif
-    quantize_range<T, kWrite>(g, r, codes, n, t, b, e, &l1[tid], &bad[tid]);
-  });
-  double s = 0.0, c = 0.0;
-  for (int i = 0; i < nt; ++i) {
-    s += l1[i];
-    c += bad[i];
+    int64_t i = 0;
+    for (; i + 16 <= m; i += 16) {
+      const uint32_t word = quantize_word<kWrite>(gf + i, rr + i, tv, ntv, acc, bad);
+      if (kWrite) cc[i / 16] = word;
+    }
+    if (i < m) {  // last word: the zero padding is finite, has code 0 and adds +0
+      float gt[16] = {0.f}, rt[16] = {0.f};
+      std::memcpy(gt, gf + i, (m - i) * sizeof(float));
+      std::memcpy(rt, rr + i, (m - i) * sizeof(float));
+      const uint32_t word = quantize_word<kWrite>(gt, rt, tv, ntv, acc, bad);
+      if (kWrite) {
+        std::memcpy(rr + i, rt, (m - i) * sizeof(float));
+        cc[i / 16] = word;
+      }
+    }
+    float lanes[16];  // lane j = element i % 16 == j; added in lane order
+    int32_t counts[16];
+    std::memcpy(lanes, acc, sizeof(lanes));
+    std::memcpy(counts, bad, sizeof(counts));
+    float sum = 0.f;
+    for (int j = 0; j < 16; ++j) {
+      sum += lanes[j];
+      nbad -= counts[j];
+    }
+    l1 += sum;
   }
-  stats[0] = static_cast<float>(s);
-  stats[1] = static_cast<float>(c);
+  stats[0] = static_cast<float>(l1);
+  stats[1] = static_cast<float>(nbad);
 }
 
 MXReturnValue quantize_parse(const Attrs& attrs, int* nin, int* nout) {
@@ -489,17 +436,15 @@ MXReturnValue stats_forward(const Attrs&, std::vector<MXTensor>* in,
 template <bool kAdd>
 void dequantize_all(const uint32_t* codes, float* out, int64_t n, float t) {
   const int64_t full = n / 16;
-  parallel_ranges(full, threads_for(n), [&](int, int64_t b, int64_t e) {
-    for (int64_t w = b; w < e; ++w) {
-      const uint32_t word = codes[w];
-      float* o = out + w * 16;
-      for (int j = 0; j < 16; ++j) {
-        const uint32_t c = (word >> (2 * j)) & 3u;
-        const float v = static_cast<float>(static_cast<int>(c & 1u) - static_cast<int>(c >> 1)) * t;
-        o[j] = kAdd ? o[j] + v : v;
-      }
+  for (int64_t w = 0; w < full; ++w) {
+    const uint32_t word = codes[w];
+    float* o = out + w * 16;
+    for (int j = 0; j < 16; ++j) {
+      const uint32_t c = (word >> (2 * j)) & 3u;
+      const float v = static_cast<float>(static_cast<int>(c & 1u) - static_cast<int>(c >> 1)) * t;
+      o[j] = kAdd ? o[j] + v : v;
     }
-  });
+  }
   if (full * 16 < n) {
     const uint32_t word = codes[full];
     for (int64_t i = full * 16; i < n; ++i) {
@@ -671,13 +616,23 @@ void fold_rows(const T* g, float* r, int64_t F, int64_t o0, int64_t o1, double* 
 // fma(v, v, acc) equals acc + v * v because the square of a float is exact in
 // float64: the norms, and so the selection, are bitwise those of fold_rows.
 
+inline __m512 avx512_load16(const float* p, int64_t left, __mmask16 live) {
+  return left >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(live, p);
+}
+inline __m512 avx512_load16(const uint16_t* p, int64_t left, __mmask16) {
+  if (left >= 16) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  uint16_t tmp[16] = {0};
+  std::memcpy(tmp, p, static_cast<size_t>(left) * sizeof(uint16_t));
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tmp)));
+}
+
 // Elements [j, j + 16) of one row (lanes >= left, on the last step only, load
 // as 0: finite, add 0). Returns the mask of non-finite elements.
 template <typename T, bool kFull>
 inline unsigned fold16(const T* g, float* r, int64_t left, __m512d* acc) {
   const __mmask16 live = kFull ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
   const __m512 r0 = kFull ? _mm512_loadu_ps(r) : _mm512_maskz_loadu_ps(live, r);
-  const __m512 a = _mm512_add_ps(load16(g, kFull ? 16 : left, live), r0);
+  const __m512 a = _mm512_add_ps(avx512_load16(g, kFull ? 16 : left, live), r0);
   const __mmask16 fin =
       _mm512_cmp_ps_mask(_mm512_abs_ps(a), _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ);
   const __m512 upd = _mm512_mask_mov_ps(r0, fin, a);  // non-finite: old residual
@@ -741,21 +696,16 @@ template <typename T>
 void select_all(const T* g, float* r, int64_t O, int64_t F, int64_t k, int32_t* indices,
                 float* values, float* stats) {
   std::vector<double> norm2(O);
-  const int nt = threads_for(O * F);
-  std::vector<double> bad(nt, 0.0);
-  std::vector<std::vector<BadRow> > bad_rows(nt);
-  parallel_ranges(O, nt, [&](int tid, int64_t b, int64_t e) {
+  double nbad = 0.0;
+  std::vector<BadRow> bad_rows;
 #if defined(__AVX512F__)
-    if (g_simd) {
-      fold_rows_avx512<T>(g, r, F, b, e, norm2.data(), &bad[tid], &bad_rows[tid]);
-      return;
-    }
+  if (g_simd)
+    fold_rows_avx512<T>(g, r, F, 0, O, norm2.data(), &nbad, &bad_rows);
+  else
 #endif
-    fold_rows<T>(g, r, F, b, e, norm2.data(), &bad[tid], &bad_rows[tid]);
-  });
-  double total = 0.0, nbad = 0.0;
+    fold_rows<T>(g, r, F, 0, O, norm2.data(), &nbad, &bad_rows);
+  double total = 0.0;
   for (int64_t o = 0; o < O; ++o) total += norm2[o];
-  for (int i = 0; i < nt; ++i) nbad += bad[i];
   stats[0] = static_cast<float>(total);
   stats[1] = static_cast<float>(nbad);
 
@@ -770,30 +720,26 @@ void select_all(const T* g, float* r, int64_t O, int64_t F, int64_t k, int32_t* 
   for (int64_t i = 0; i < k; ++i) indices[i] = static_cast<int32_t>(order[i]);
 
   std::unordered_map<int64_t, const std::vector<uint64_t>*> masks;
-  for (int t = 0; t < nt; ++t)
-    for (size_t i = 0; i < bad_rows[t].size(); ++i)
-      masks[bad_rows[t][i].row] = &bad_rows[t][i].mask;
+  for (size_t i = 0; i < bad_rows.size(); ++i) masks[bad_rows[i].row] = &bad_rows[i].mask;
 
-  parallel_ranges(k, threads_for(k * F), [&](int, int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      float* row = r + order[i] * F;
-      float* v = values + i * F;
-      if (masks.empty() || masks.find(order[i]) == masks.end()) {
-        std::memcpy(v, row, F * sizeof(float));
-        std::memset(row, 0, F * sizeof(float));
-        continue;
-      }
-      const std::vector<uint64_t>& mask = *masks.find(order[i])->second;
-      for (int64_t j = 0; j < F; ++j) {
-        if ((mask[j >> 6] >> (j & 63)) & 1) {
-          v[j] = 0.f;  // non-finite: emit 0, keep the old residual
-        } else {
-          v[j] = row[j];
-          row[j] = 0.f;
-        }
+  for (int64_t i = 0; i < k; ++i) {
+    float* row = r + order[i] * F;
+    float* v = values + i * F;
+    if (masks.empty() || masks.find(order[i]) == masks.end()) {
+      std::memcpy(v, row, F * sizeof(float));
+      std::memset(row, 0, F * sizeof(float));
+      continue;
+    }
+    const std::vector<uint64_t>& mask = *masks.find(order[i])->second;
+    for (int64_t j = 0; j < F; ++j) {
+      if ((mask[j >> 6] >> (j & 63)) & 1) {
+        v[j] = 0.f;  // non-finite: emit 0, keep the old residual
+      } else {
+        v[j] = row[j];
+        row[j] = 0.f;
       }
     }
-  });
+  }
 }
 
 MXReturnValue select_parse(const Attrs& attrs, int* nin, int* nout) {
@@ -956,13 +902,11 @@ MXReturnValue scatter_add_forward(const Attrs&, std::vector<MXTensor>* in,
   if (!check_rows(idx, k, O)) return MX_FAIL;
   float* dst = o.data<float>();
   if (dst != acc) std::memcpy(dst, acc, O * F * sizeof(float));  // called without out=acc
-  parallel_ranges(k, threads_for(k * F), [&](int, int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      float* row = dst + static_cast<int64_t>(idx[i]) * F;
-      const float* v = vals + i * F;
-      for (int64_t j = 0; j < F; ++j) row[j] += v[j];
-    }
-  });
+  for (int64_t i = 0; i < k; ++i) {
+    float* row = dst + static_cast<int64_t>(idx[i]) * F;
+    const float* v = vals + i * F;
+    for (int64_t j = 0; j < F; ++j) row[j] += v[j];
+  }
   return MX_SUCCESS;
 }
 
@@ -1023,10 +967,6 @@ MXReturnValue initialize(int version) {
 
 // Plain C entry points, reached through ctypes on the same loaded library.
 extern "C" {
-__attribute__((visibility("default"))) int hylo_set_num_threads(int n) {
-  g_num_threads = n > 0 ? n : 0;
-  return g_num_threads;
-}
 // on != 0: AVX-512 kernels if compiled in; returns whether they are now used.
 __attribute__((visibility("default"))) int hylo_set_simd(int on) {
   g_simd = on ? 1 : 0;
@@ -1036,11 +976,43 @@ __attribute__((visibility("default"))) int hylo_set_simd(int on) {
   return 0;
 #endif
 }
-__attribute__((visibility("default"))) int hylo_openmp_enabled() {
-#ifdef _OPENMP
-  return 1;
+// What the compiler targeted: "key=0|1 ..." (mxhylo.ops.build.build_info()).
+__attribute__((visibility("default"))) const char* hylo_build_info() {
+  return "avx512f="
+#if defined(__AVX512F__)
+         "1"
 #else
-  return 0;
+         "0"
+#endif
+         " avx2="
+#if defined(__AVX2__)
+         "1"
+#else
+         "0"
+#endif
+         " f16c="
+#if defined(__F16C__)
+         "1"
+#else
+         "0"
+#endif
+         " fma="
+#if defined(__FMA__)
+         "1"
+#else
+         "0"
+#endif
+         " openmp="
+#if defined(_OPENMP)
+         "1"
+#else
+         "0"
+#endif
+         " simd_kernels="
+#if defined(__AVX512F__)
+         "1";
+#else
+         "0";
 #endif
 }
 }
