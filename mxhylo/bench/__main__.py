@@ -15,6 +15,8 @@ SUITES = {
     "io": "RecordLoader decode throughput and input wait with a simulated step",
     "accuracy": "dist_sync dense vs built-in 2-bit vs hylo (dense and compressed pull) on the digits, several seeds",
     "lars": "large-batch study on the digits: LARS with warmup vs SGD with scaled lr",
+    "train": "real Gluon training steps (or time to accuracy, --tta) per kvstore in shaped "
+             "network namespaces",
 }
 
 

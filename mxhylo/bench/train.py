@@ -1,0 +1,929 @@
+"""``python -m mxhylo.bench train``: real Gluon training steps over MXNet's parameter
+server, each process in its own network namespace behind a shaped link.
+
+W workers, S servers and a scheduler run in the namespaces of ``bench comm``
+(mxhylo.bench.netns: a star through a bridge, every link shaped with tc tbf at --rate
+in both directions). The processes are started and stopped by mxhylo.launch's Job
+(each in its own process group, SIGKILLed if this harness dies, SIGTERM then SIGKILL
+at the end of a job, a time limit per job). One parameter-server job per model and
+mode; only the kvstore differs between modes (see ``--modes``).
+
+Speed (the default): every worker trains gluoncv model ``--models`` on one fixed
+synthetic batch of ``--batch-size`` images of ``--image-size`` (ResNets: 64 by default,
+their parameter shapes do not depend on the input size; vgg/alexnet: 224, which their
+classifier needs) with gluon.Trainer, SGD with momentum. See mxhylo.bench.train_worker
+for what is timed. Per model and mode the report gives, each as the median over the
+timed rounds of the slowest worker's time (workers meet at a file barrier before each
+step), with min and max:
+
+* ``step``: forward, backward, trainer.step, waitall: what a training step costs;
+* ``fwd_bwd``: forward and backward alone (no exchange running);
+* ``exchange``: trainer.step alone on gradients already computed, and waitall;
+* ``overlap_s`` = fwd_bwd + exchange - step: how much of the exchange hides behind
+  the computation (0: none; the exchange's time: all of it);
+* ``stream``: seconds per step of back-to-back steps with no wait between them;
+* bytes on the wire per exchange from the interface counters (push = workers' tx,
+  pull = workers' rx), hylo's own kv.stats() counts and per-phase timing;
+* ``speedup_vs_dist_sync``: dist_sync's step time over the mode's, same run;
+* whether the workers end with bitwise identical trainable parameters (SHA-256).
+
+Time to accuracy (``--tta``): every mode and seed trains ``--tta-model`` (default
+gluoncv resnet18_v1b, 10 classes, whose 3x3 conv layers, compressed by hylo as
+conv_topk, hold almost all of its bytes) on scikit-learn's digits packed as .rec at
+``--tta-size`` pixels (mxhylo.io.RecordLoader, each worker its part), for
+``--tta-epochs`` epochs with a cosine learning rate; rank 0 evaluates the validation
+set after every epoch. Reported per mode and seed: training seconds (evaluation
+excluded; wall seconds with it too), epochs and steps to the first evaluation at or
+above ``--target``, the final accuracy, the accuracy curve against time (PNG), and
+whether the workers end bitwise identical.
+
+Needs root (namespaces); says so and exits non-zero otherwise. Everything created
+(processes, namespaces, temporary files) is removed at the end, on error and on
+SIGINT/SIGTERM/SIGHUP. Scheduler ports: each job uses its own (9091 upwards) inside
+namespaces that only this run uses, so they are free by construction.
+"""
+import datetime
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from . import netns
+from .comm import (_Interrupted, _Shielded, clean_env, hylo_available, hylo_summary,
+                   machine_info, model_summary, parse_list, role_names,
+                   shapes_in_subprocess, wire_summary)
+from .train_worker import MODES
+from .. import launch, procs
+
+DEFAULT_MODES = ("dist_sync", "hylo_densepull", "hylo")
+HYLO_MODES = ("hylo_densepull", "hylo")
+BASELINE = "dist_sync"
+PS_PORT = 9091
+FULL_SIZE_MODELS = ("vgg", "alexnet")     # classifier shapes depend on the input size
+_CPU_BYTES_PER_S = 50e6                   # codec/copy CPU bound used in job time limits
+CPU_FEATURES = re.compile(r"avx512[a-z_0-9]*|avx2|f16c")
+
+
+def add_arguments(parser):
+    parser.add_argument("-n", "--workers", type=int, default=4, help="workers (default 4)")
+    parser.add_argument("-s", "--servers", type=int, default=2, help="servers (default 2)")
+    parser.add_argument("--rate", default="1gbit",
+                        help="tc tbf rate of every link, each direction (default 1gbit)")
+    parser.add_argument("--delay", default=None,
+                        help="one-way delay between nodes via netem, e.g. 1ms (default none)")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                        help="comma-separated modes of %s (default %s): dist_sync = MXNet's "
+                             "dense store with gluon.Trainer's defaults; "
+                             "dist_sync_workerupdate = the same with update_on_kvstore="
+                             "False; hylo_densepull = mxhylo.create('dist_sync_hylo', "
+                             "compress_pull=False); hylo = mxhylo.create('dist_sync_hylo')"
+                             % (", ".join(MODES), ",".join(DEFAULT_MODES)))
+    parser.add_argument("--hylo-options", default="{}",
+                        help="JSON dict of extra options for mxhylo.create in the hylo "
+                             "modes (default {})")
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (0.9)")
+    parser.add_argument("--wd", type=float, default=1e-4, help="weight decay (1e-4)")
+    parser.add_argument("--worker-threads", type=int, default=1,
+                        help="OMP_NUM_THREADS of each worker (default 1: W workers share "
+                             "the machine's cores; 0 leaves it to MXNet). Servers run one "
+                             "OpenMP thread, as mxhylo.launch starts them")
+    parser.add_argument("--no-hybridize", dest="hybridize", action="store_false",
+                        help="run the models imperatively (default: hybridized, "
+                             "static_alloc)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of init and data (0)")
+    parser.add_argument("--mtu", type=int, default=1500, help="MTU of the links (1500)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds per job before it is stopped (default: from the "
+                             "model's size, the rate and the number of steps)")
+    parser.add_argument("--plot", default=None,
+                        help="PNG (default: beside --json, same name with .png)")
+    parser.add_argument("--keep-tmp", action="store_true",
+                        help="keep the job directories (configs, logs, worker results)")
+    parser.add_argument("--cleanup-stale", action="store_true",
+                        help="first delete namespaces left by killed runs of bench comm or "
+                             "train (mxhcomm<pid>-* whose pid is gone)")
+    g = parser.add_argument_group("speed (default)")
+    g.add_argument("--models", default="resnet50_v1b",
+                   help="comma-separated gluoncv model names (default resnet50_v1b)")
+    g.add_argument("--image-size", type=int, default=None,
+                   help="input side in pixels (default: 224 for vgg*/alexnet, whose "
+                        "classifier needs it; 64 otherwise: ResNet shapes do not depend "
+                        "on it)")
+    g.add_argument("--batch-size", type=int, default=8, help="images per worker (8)")
+    g.add_argument("--classes", type=int, default=1000, help="model output classes (1000)")
+    g.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (0.01)")
+    g.add_argument("--steps", type=int, default=5,
+                   help="timed rounds (one full step and one split step each; default 5)")
+    g.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    g.add_argument("--stream-steps", type=int, default=4,
+                   help="back-to-back steps with no wait between them, timed together "
+                        "(default 4; 0: none)")
+    g = parser.add_argument_group("time to accuracy (--tta)")
+    g.add_argument("--tta", action="store_true",
+                   help="measure time to accuracy on the digits instead of step times")
+    g.add_argument("--tta-model", default="resnet18_v1b",
+                   help="gluoncv model, 10 classes (default resnet18_v1b)")
+    g.add_argument("--tta-size", type=int, default=16,
+                   help="digits image side in pixels (default 16)")
+    g.add_argument("--tta-batch-size", type=int, default=32, help="per worker (32)")
+    g.add_argument("--tta-lr", type=float, default=0.03,
+                   help="peak SGD learning rate, cosine decay to 0 (default 0.03)")
+    g.add_argument("--tta-epochs", type=int, default=15, help="epochs per run (15)")
+    g.add_argument("--target", type=float, default=0.95,
+                   help="target validation accuracy (default 0.95)")
+    g.add_argument("--seeds", type=int, default=3, help="seeds per mode (default 3)")
+    g.add_argument("--tta-data", default=None,
+                   help="folder with digits_{train,val}.{rec,idx} (default: written to a "
+                        "temporary folder by mxhylo.im2rec's digits sample)")
+
+
+# ----------------------------------------------------------------------------- checks
+
+def image_size_for(model, image_size=None):
+    """The input side for ``model``: 224 for vgg*/alexnet (and only 224 is accepted:
+    their first fully connected layer's shape follows the input), else ``image_size``
+    or 64."""
+    full = model.lower().startswith(FULL_SIZE_MODELS)
+    if image_size is None:
+        return 224 if full else 64
+    if full and image_size != 224:
+        raise ValueError("%s needs --image-size 224 (its classifier's shape depends on the "
+                         "input size), got %d" % (model, image_size))
+    if image_size < 16:
+        raise ValueError("--image-size must be at least 16, got %d" % image_size)
+    return image_size
+
+
+def check_args(args):
+    """Validate the options; returns a dict of parsed values (rate_bps, delay_s, modes,
+    models, image_sizes, hylo_options) or raises ValueError with a clear message."""
+    out = {}
+    if args.workers < 1 or args.servers < 1:
+        raise ValueError("need at least one worker and one server (-n %d, -s %d)"
+                         % (args.workers, args.servers))
+    out["rate_bps"] = netns.parse_rate(args.rate)
+    out["delay_s"] = netns.parse_time(args.delay) if args.delay else 0.0
+    out["modes"] = parse_list(args.modes, tuple(MODES), what="mode")
+    if len(set(out["modes"])) != len(out["modes"]):
+        raise ValueError("--modes lists a mode twice: %s" % args.modes)
+    try:
+        out["hylo_options"] = json.loads(args.hylo_options)
+    except ValueError as err:
+        raise ValueError("--hylo-options is not JSON: %s" % err)
+    if not isinstance(out["hylo_options"], dict):
+        raise ValueError("--hylo-options must be a JSON object, e.g. '{\"size_threshold\": "
+                         "8192}'")
+    if args.worker_threads < 0:
+        raise ValueError("--worker-threads must be >= 0")
+    if args.tta:
+        if not 0.0 < args.target <= 1.0:
+            raise ValueError("--target is an accuracy in (0, 1], got %g" % args.target)
+        if args.seeds < 1 or args.tta_epochs < 1 or args.tta_batch_size < 1:
+            raise ValueError("--seeds, --tta-epochs and --tta-batch-size must be >= 1")
+        if args.tta_size < 8:
+            raise ValueError("--tta-size must be >= 8 (the digits are 8x8), got %d"
+                             % args.tta_size)
+        out["models"] = [args.tta_model]
+    else:
+        if args.steps < 1 or args.warmup < 0 or args.stream_steps < 0:
+            raise ValueError("--steps must be >= 1, --warmup and --stream-steps >= 0")
+        if args.batch_size < 1 or args.classes < 2:
+            raise ValueError("--batch-size must be >= 1 and --classes >= 2")
+        out["models"] = parse_list(args.models, what="model")
+        out["image_sizes"] = {m: image_size_for(m, args.image_size) for m in out["models"]}
+    return out
+
+
+# ----------------------------------------------------------------------------- summaries
+
+def spread(values):
+    """{'min', 'median', 'max', 'n', 'values'} of a list of numbers (None when empty)."""
+    vals = [float(v) for v in values if v is not None]
+    if not vals:
+        return None
+    return {"min": min(vals), "median": statistics.median(vals), "max": max(vals),
+            "n": len(vals), "values": vals}
+
+
+def slowest(worker_results, get):
+    """Per timed round: the largest ``get(round)`` over the workers."""
+    n = min(len(r["rounds"]) for r in worker_results)
+    return [max(get(r["rounds"][i]) for r in worker_results) for i in range(n)]
+
+
+def overlap(fwd_bwd_s, exchange_s, step_s):
+    """Seconds of the exchange hidden behind computation: compute + exchange - step."""
+    return fwd_bwd_s + exchange_s - step_s
+
+
+def checksum_summary(worker_results):
+    shas = [r.get("param_sha256") for r in sorted(worker_results, key=lambda r: r["index"])]
+    return {"workers_identical": len(set(shas)) == 1 and shas[0] is not None,
+            "param_sha256": shas,
+            "param_abs_sum": [r.get("param_abs_sum") for r in
+                              sorted(worker_results, key=lambda r: r["index"])]}
+
+
+def hylo_timing(worker_results):
+    """hylo's per-phase seconds per exchange over the counter window, per worker (from
+    kv.stats()['timing'], which averages over all exchanges so far), or None."""
+    out = []
+    for r in sorted(worker_results, key=lambda r: r["index"]):
+        a, b = r.get("stats") or {}, r.get("stats_before") or {}
+        ta, tb = a.get("timing") or {}, b.get("timing") or {}
+        sa, sb = a.get("steps") or 0, b.get("steps") or 0
+        if not ta or sa <= sb:
+            return None
+        out.append({k: (ta[k] * sa - tb.get(k, 0.0) * sb) / float(sa - sb) for k in ta})
+    return out
+
+
+def summarise_speed(worker_results, before, after, steps):
+    """One mode's result from its workers' results and the counters around the window
+    of ``steps`` timed rounds (2 * steps exchanges)."""
+    step = slowest(worker_results, lambda x: x["full"]["seconds"])
+    comp = slowest(worker_results, lambda x: x["split"]["fwd_bwd_s"])
+    exch = slowest(worker_results, lambda x: x["split"]["exchange_s"])
+    res = {"status": "ok", "step": spread(step), "fwd_bwd": spread(comp),
+           "exchange": spread(exch)}
+    res["step_s"] = res["step"]["median"]
+    res["fwd_bwd_s"] = res["fwd_bwd"]["median"]
+    res["exchange_s"] = res["exchange"]["median"]
+    res["overlap_s"] = overlap(res["fwd_bwd_s"], res["exchange_s"], res["step_s"])
+    res["overlap_fraction_of_exchange"] = (res["overlap_s"] / res["exchange_s"]
+                                           if res["exchange_s"] > 0 else None)
+    res["step_over_fwd_bwd"] = (res["step_s"] / res["fwd_bwd_s"]
+                                if res["fwd_bwd_s"] > 0 else None)
+    # where the full step's time was spent in Python (slowest worker's medians)
+    res["full_step_parts_s"] = {
+        k: statistics.median(slowest(worker_results, lambda x, k=k: x["full"][k]))
+        for k in ("fwd_bwd_call_s", "step_call_s", "wait_s")}
+    res["exchange_call_s"] = statistics.median(
+        slowest(worker_results, lambda x: x["split"]["exchange_call_s"]))
+    streams = [r.get("stream") for r in worker_results]
+    if all(streams):
+        res["stream_step_s"] = max(s["seconds"] / s["steps"] for s in streams)
+    res["warmup_step_s"] = [max(r["warmup"][i]["full"]["seconds"] for r in worker_results)
+                            for i in range(min(len(r["warmup"]) for r in worker_results))]
+    res["setup_s"] = max(r["setup_s"] for r in worker_results)
+    res["update_on_kvstore"] = worker_results[0].get("update_on_kvstore")
+    exchanges = 2 * steps
+    if before and after:
+        res["wire"] = wire_summary(before, after, exchanges)     # per exchange
+    if any(r.get("stats") is not None for r in worker_results):
+        res["hylo"] = hylo_summary(worker_results, exchanges)
+        timing = hylo_timing(worker_results)
+        if timing is not None:
+            res["hylo"]["timing_per_exchange_s"] = timing
+    res.update(checksum_summary(worker_results))
+    return res
+
+
+def add_speedups(per_mode, baseline=BASELINE):
+    """speedup_vs_<baseline> = baseline step seconds / mode step seconds (also for the
+    stream steps), for every mode that ran."""
+    base = per_mode.get(baseline, {})
+    for res in per_mode.values():
+        if res.get("status") != "ok":
+            continue
+        b, m = base.get("step_s"), res.get("step_s")
+        res["speedup_vs_" + baseline] = (b / m) if (b and m) else None
+        b, m = base.get("stream_step_s"), res.get("stream_step_s")
+        res["stream_speedup_vs_" + baseline] = (b / m) if (b and m) else None
+    return per_mode
+
+
+def time_to_target(history, target):
+    """The first evaluation at or above ``target``: {train_s, wall_s, epochs, steps,
+    accuracy}, or None when none reached it."""
+    for h in history:
+        if h.get("accuracy") is not None and h["accuracy"] >= target:
+            return {"train_s": h["train_s"], "wall_s": h["wall_s"], "epochs": h["epoch"],
+                    "steps": h["steps"], "accuracy": h["accuracy"]}
+    return None
+
+
+def summarise_tta_run(worker_results, target, before=None, after=None):
+    rank0 = [r for r in worker_results if r["rank"] == 0]
+    if len(rank0) != 1:
+        raise ValueError("expected one rank-0 result, got %d" % len(rank0))
+    history = rank0[0]["history"]
+    res = {"status": "ok", "seed": rank0[0]["seed"], "history": history,
+           "time_to_target": time_to_target(history, target),
+           "final_accuracy": history[-1].get("accuracy") if history else None,
+           "train_s": history[-1]["train_s"] if history else None,
+           "wall_s": history[-1]["wall_s"] if history else None,
+           "steps_per_epoch": rank0[0]["steps_per_epoch"],
+           "setup_s": max(r["setup_s"] for r in worker_results),
+           "update_on_kvstore": rank0[0].get("update_on_kvstore")}
+    steps = history[-1]["steps"] if history else 0
+    if before and after and steps:
+        res["wire"] = wire_summary(before, after, steps)        # per step
+    stats = rank0[0].get("stats")
+    if stats:
+        res["hylo"] = {k: stats.get(k) for k in ("steps", "bytes_pushed", "bytes_pulled",
+                                                  "dense_bytes", "ratio", "timing")}
+    res.update(checksum_summary(worker_results))
+    return res
+
+
+def summarise_tta(runs, baseline=BASELINE):
+    """Per mode over its seeds: time to target (training clock; runs that reached it),
+    epochs, final accuracy (mean, sd), gap to the baseline in points, speedup."""
+    out = {}
+    for mode, rs in runs.items():
+        ok = [r for r in rs if r.get("status") == "ok"]
+        reached = [r["time_to_target"] for r in ok if r.get("time_to_target")]
+        finals = [r["final_accuracy"] for r in ok if r.get("final_accuracy") is not None]
+        s = {"runs": len(rs), "ok": len(ok), "reached": len(reached),
+             "time_to_target_s": spread([t["train_s"] for t in reached]),
+             "wall_to_target_s": spread([t["wall_s"] for t in reached]),
+             "epochs_to_target": spread([t["epochs"] for t in reached]),
+             "steps_to_target": spread([t["steps"] for t in reached]),
+             "final_accuracy": spread(finals),
+             "train_s": spread([r["train_s"] for r in ok]),
+             "workers_identical_all": all(r.get("workers_identical") for r in ok) if ok
+             else None}
+        if len(finals) > 1:
+            s["final_accuracy"]["mean"] = statistics.mean(finals)
+            s["final_accuracy"]["sd"] = statistics.stdev(finals)
+        elif finals:
+            s["final_accuracy"]["mean"], s["final_accuracy"]["sd"] = finals[0], 0.0
+        out[mode] = s
+    base = out.get(baseline)
+    for mode, s in out.items():
+        if base and base["final_accuracy"] and s["final_accuracy"]:
+            s["accuracy_gap_points"] = 100.0 * (s["final_accuracy"]["mean"]
+                                                - base["final_accuracy"]["mean"])
+        if base and base["time_to_target_s"] and s["time_to_target_s"]:
+            s["time_to_target_speedup_vs_" + baseline] = (
+                base["time_to_target_s"]["median"] / s["time_to_target_s"]["median"])
+    return out
+
+
+# ----------------------------------------------------------------------------- tables
+
+def _mb(x):
+    return "%.1f" % (x / 1e6) if x is not None else "-"
+
+
+def format_speed_table(report):
+    lines = ["%-13s %-15s %14s %7s %7s %7s %8s %7s %9s %9s %5s" % (
+        "model", "mode", "step s (range)", "fwd+bwd", "exch", "overlap", "speedup",
+        "stream", "push MB/x", "pull MB/x", "same")]
+    for model, per_mode in report["results"].items():
+        for mode, r in per_mode.items():
+            if r.get("status") != "ok":
+                lines.append("%-13s %-15s %s" % (model, mode, r.get("status")))
+                continue
+            wire = r.get("wire", {})
+            sp = r.get("speedup_vs_" + BASELINE)
+            lines.append("%-13s %-15s %5.3f %-8s %7.3f %7.3f %7.3f %8s %7s %9s %9s %5s" % (
+                model, mode, r["step_s"], "(%.2f-%.2f)" % (r["step"]["min"], r["step"]["max"]),
+                r["fwd_bwd_s"], r["exchange_s"], r["overlap_s"],
+                "%.2fx" % sp if sp else "-",
+                "%.3f" % r["stream_step_s"] if r.get("stream_step_s") else "-",
+                _mb(wire.get("push_bytes_per_step")), _mb(wire.get("pull_bytes_per_step")),
+                "yes" if r.get("workers_identical") else "NO"))
+    return lines
+
+
+def format_tta_table(report):
+    lines = ["%-15s %4s %8s %9s %7s %9s %8s %5s" % (
+        "mode", "seed", "target s", "wall s", "epochs", "final acc", "train s", "same")]
+    for mode, rs in report["runs"].items():
+        for r in rs:
+            if r.get("status") != "ok":
+                lines.append("%-15s %4s %s" % (mode, r.get("seed"), r.get("status")))
+                continue
+            t = r["time_to_target"]
+            lines.append("%-15s %4d %8s %9s %7s %9.4f %8.1f %5s" % (
+                mode, r["seed"], "%.1f" % t["train_s"] if t else "not hit",
+                "%.1f" % t["wall_s"] if t else "-", t["epochs"] if t else "-",
+                r["final_accuracy"], r["train_s"],
+                "yes" if r.get("workers_identical") else "NO"))
+    for mode, s in report["summary"].items():
+        tt = s["time_to_target_s"]
+        fa = s["final_accuracy"]
+        lines.append("%-15s  reached %d/%d, time to target median %s s, final accuracy "
+                     "%s%s%s" % (
+                         mode, s["reached"], s["runs"], "%.1f" % tt["median"] if tt else "-",
+                         "%.4f +- %.4f" % (fa["mean"], fa["sd"]) if fa else "-",
+                         ", %+.2f points vs %s" % (s["accuracy_gap_points"], BASELINE)
+                         if "accuracy_gap_points" in s else "",
+                         ", %.2fx faster to target" % s["time_to_target_speedup_vs_" + BASELINE]
+                         if s.get("time_to_target_speedup_vs_" + BASELINE) else ""))
+    return lines
+
+
+# ----------------------------------------------------------------------------- plots
+
+def write_speed_plot(report, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(report["results"])
+    fig, axes = plt.subplots(1, len(models), figsize=(4.8 * len(models) + 1, 4.6),
+                             squeeze=False)
+    kinds = (("step", "step (fwd+bwd+exchange)"), ("fwd_bwd", "fwd+bwd alone"),
+             ("exchange", "exchange alone"))
+    colors = ("tab:blue", "tab:green", "tab:orange")
+    for ax, model in zip(axes[0], models):
+        per_mode = report["results"][model]
+        modes = list(per_mode)
+        width = 0.26
+        for j, ((key, label), color) in enumerate(zip(kinds, colors)):
+            xs, ys, lo, hi = [], [], [], []
+            for i, mode in enumerate(modes):
+                r = per_mode[mode]
+                if r.get("status") != "ok":
+                    continue
+                xs.append(i + (j - 1) * width)
+                ys.append(r[key]["median"])
+                lo.append(r[key]["median"] - r[key]["min"])
+                hi.append(r[key]["max"] - r[key]["median"])
+            ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, color=color, label=label)
+        for i, mode in enumerate(modes):
+            r = per_mode[mode]
+            sp = r.get("speedup_vs_" + BASELINE) if r.get("status") == "ok" else None
+            if sp:
+                ax.annotate("%.2fx" % sp, (i - width, r["step_s"]), ha="center",
+                            va="bottom", fontsize=8, xytext=(0, 3),
+                            textcoords="offset points")
+        ax.set_xticks(range(len(modes)))
+        ax.set_xticklabels(modes, fontsize=8)
+        ax.set_title("%s, %dpx, batch %d/worker" % (
+            model, report["config"]["image_sizes"][model], report["config"]["batch_size"]),
+            fontsize=9)
+        ax.set_ylabel("seconds (median of slowest worker; bars: min-max)")
+    axes[0][0].legend(fontsize=8)
+    cfg = report["config"]
+    fig.suptitle("bench train: %d workers + %d servers, %s links; speedup = dist_sync step "
+                 "/ mode step; %s, %s" % (cfg["workers"], cfg["servers"], cfg["rate"],
+                                         report["machine"].get("cpu", ""),
+                                         report["date"][:16]), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_tta_plot(report, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ("-", "--", ":", "-.")
+    for j, (mode, rs) in enumerate(report["runs"].items()):
+        for k, r in enumerate(rs):
+            if r.get("status") != "ok":
+                continue
+            xs = [h["train_s"] for h in r["history"]]
+            ys = [h["accuracy"] for h in r["history"]]
+            ax.plot(xs, ys, styles[k % len(styles)], marker=".", color=colors[j % len(colors)],
+                    label="%s seed %d" % (mode, r["seed"]))
+    cfg = report["config"]
+    ax.axhline(cfg["target"], color="k", lw=0.8, ls="--", label="target %.2f" % cfg["target"])
+    ax.set_xlabel("training seconds (evaluation excluded)")
+    ax.set_ylabel("validation accuracy (rank 0)")
+    ax.set_ylim(max(0.0, cfg["target"] - 0.35), 1.0)
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title("time to accuracy: %s %dpx on the digits, %d workers + %d servers, %s"
+                 % (cfg["model"], cfg["image_size"], cfg["workers"], cfg["servers"],
+                    cfg["rate"]), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- machine
+
+def cpu_features(cpuinfo_text):
+    """Sorted distinct AVX2/AVX-512/F16C flags, as
+    ``grep -o 'avx512[a-z_0-9]*\\|avx2\\|f16c' /proc/cpuinfo | sort -u`` lists them."""
+    return sorted(set(CPU_FEATURES.findall(cpuinfo_text)))
+
+
+def machine_report():
+    info = machine_info()
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu_features"] = cpu_features(f.read())
+    except OSError:
+        info["cpu_features"] = None
+    try:
+        info["loadavg_start"] = list(os.getloadavg())
+    except OSError:
+        pass
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for key, cmd in (("git_commit", ["git", "-C", repo, "log", "-1", "--oneline"]),
+                     ("git_dirty", ["git", "-C", repo, "status", "--porcelain", "--",
+                                    "kvstore", "ops", "mxhylo"])):
+        try:
+            res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                 text=True, timeout=10)
+            if res.returncode == 0:
+                info[key] = res.stdout.strip() if key == "git_commit" else \
+                    [line for line in res.stdout.splitlines() if line.strip()]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return info
+
+
+# ----------------------------------------------------------------------------- jobs
+
+class JobError(RuntimeError):
+    def __init__(self, msg, log_tail=""):
+        super().__init__(msg)
+        self.log_tail = log_tail
+
+
+class NetnsJob(launch.Job):
+    """mxhylo.launch's Job (process groups, time limit, teardown, signals) that also
+    answers the workers' counter marks (``mark-NAME`` files in ``sync_dir``): it reads
+    every role's interface counters and acknowledges with ``mark-NAME.ack``."""
+
+    def __init__(self, children, topo, sync_dir, **kwargs):
+        super().__init__(children, **kwargs)
+        self.topo, self.sync_dir = topo, sync_dir
+        self.counters, self.counter_errors = {}, []
+
+    def _serve_marks(self):
+        try:
+            names = os.listdir(self.sync_dir)
+        except OSError:
+            return
+        for name in names:
+            if not name.startswith("mark-") or name.endswith((".ack", ".tmp")):
+                continue
+            mark = name[len("mark-"):]
+            if mark in self.counters:
+                continue
+            try:
+                self.counters[mark] = self.topo.all_counters()
+            except (netns.NetnsError, ValueError) as err:
+                self.counters[mark] = None
+                self.counter_errors.append("%s: %s" % (mark, err))
+            open(os.path.join(self.sync_dir, name + ".ack"), "w").close()
+
+    def _check(self):
+        self._serve_marks()
+        return super()._check()
+
+
+def job_children(topo, num_workers, num_servers, port, config_path, job_dir,
+                 worker_threads=1, python=None):
+    """procs.Child objects of one job: ``ip netns exec NS python ...`` per role, with the
+    DMLC_* variables of mxhylo.launch's role_env (each node's own DMLC_NODE_HOST, as
+    for a remote host) and its server defaults (one OpenMP thread)."""
+    python = python or sys.executable
+    base = clean_env()
+    base["PYTHONUNBUFFERED"] = "1"
+    sched = topo.addr("scheduler")
+    children = []
+    for role in topo.roles:
+        kind = "scheduler" if role == "scheduler" else role.rstrip("0123456789")
+        env = dict(base)
+        if kind == "scheduler":
+            env.update(launch.role_env("scheduler", num_workers, num_servers, sched, port))
+            env["DMLC_NODE_HOST"] = sched
+        else:
+            env.update(launch.role_env(kind, num_workers, num_servers, sched, port, "ssh",
+                                       node_host=topo.addr(role)))
+        if kind == "server":
+            env.update(launch.server_defaults(base))
+        if kind == "worker":
+            if worker_threads:
+                env["OMP_NUM_THREADS"] = str(worker_threads)
+            index = int(role[len("worker"):])
+            program = [python, "-m", "mxhylo.bench.train_worker", "--config", config_path,
+                       "--index", str(index), "--out", os.path.join(job_dir, role + ".json")]
+            name = "worker %d" % index
+        else:
+            program = [python, "-c", "import mxnet"]
+            name = kind if kind == "scheduler" else "server %s" % role[len("server"):]
+        children.append(procs.Child(name, kind, topo.exec_prefix(role) + program, env))
+    return children
+
+
+def _tail(path, n=3000):
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - n))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def run_job(topo, job_dir, config, port, timeout, worker_threads=1):
+    """One parameter-server job; returns (worker results, {mark: counters})."""
+    W, S = config["num_workers"], config["num_servers"]
+    sync_dir = os.path.join(job_dir, "sync")
+    os.makedirs(sync_dir)
+    config = dict(config, sync_dir=sync_dir, barrier_timeout=timeout)
+    config_path = os.path.join(job_dir, "config.json")
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    children = job_children(topo, W, S, port, config_path, job_dir, worker_threads)
+    log_path = os.path.join(job_dir, "job.log")
+    with open(log_path, "w") as log:
+        job = NetnsJob(children, topo, sync_dir, timeout=timeout, grace=5.0,
+                       shutdown_timeout=30.0, out=log, err=log)
+        code = job.run()
+    if job.stop_signal is not None:
+        if job.stop_signal == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise _Interrupted("signal %d" % job.stop_signal)
+    if code != 0:
+        tail = _tail(log_path)
+        reason = [l for l in tail.splitlines() if "job FAILED" in l]
+        raise JobError(reason[-1].split("] ", 1)[-1] if reason else "exit code %d" % code,
+                       tail)
+    results = []
+    for i in range(W):
+        path = os.path.join(job_dir, "worker%d.json" % i)
+        try:
+            with open(path) as f:
+                results.append(json.load(f))
+        except (OSError, ValueError) as err:
+            raise JobError("worker %d's result %s: %s" % (i, path, err), _tail(log_path))
+    if job.counter_errors:
+        raise JobError("interface counters: " + "; ".join(job.counter_errors))
+    return results, job.counters
+
+
+def speed_timeout(summary, num_workers, steps, warmup, stream):
+    """Seconds for one speed job: start-up plus, per exchange, 6 dense-pull floors, the
+    codec CPU bound and 10 s of computation."""
+    exchanges = 2 * (steps + warmup) + stream
+    return 240.0 + exchanges * (6.0 * summary["dense_pull_floor_s"]
+                                + num_workers * summary["dense_bytes"] / _CPU_BYTES_PER_S
+                                + 10.0)
+
+
+def tta_timeout(summary, num_workers, total_steps, epochs):
+    return 240.0 + epochs * 20.0 + total_steps * (
+        6.0 * summary["dense_pull_floor_s"]
+        + num_workers * summary["dense_bytes"] / _CPU_BYTES_PER_S + 2.0)
+
+
+# ----------------------------------------------------------------------------- run
+
+def _log(msg):
+    print("[train] " + msg, file=sys.stderr, flush=True)
+
+
+def digits_records(folder, size, tmp):
+    """{'train_rec', 'train_idx', 'val_rec', 'val_idx'} of the digits sample at ``size``
+    (written under ``tmp`` unless ``folder`` already holds them)."""
+    if folder is None:
+        from mxhylo.io.digits_sample import write_digits
+        folder = os.path.join(tmp, "digits%d" % size)
+        write_digits(folder, size=size, progress=False)
+    out = {}
+    for part in ("train", "val"):
+        for ext in ("rec", "idx"):
+            path = os.path.join(folder, "digits_%s.%s" % (part, ext))
+            if not os.path.isfile(path):
+                raise SystemExit("mxhylo.bench train: %s is missing (make it with python -m "
+                                 "mxhylo.im2rec --digits %s --size %d)" % (path, folder, size))
+            out["%s_%s" % (part, ext)] = path
+    return out
+
+
+def steps_per_epoch(num_records, num_workers, batch_size):
+    """Steps every worker can take per epoch: its smallest ImageRecordIter part
+    (ceil(N/W) records each, the last one smaller) in whole batches."""
+    from mxhylo.io.recfile import part_range
+    sizes = [b - a for a, b in (part_range(num_records, num_workers, p)
+                                for p in range(num_workers))]
+    return min(sizes) // batch_size
+
+
+def run(args):
+    try:
+        parsed = check_args(args)
+    except ValueError as err:
+        raise SystemExit("mxhylo.bench train: %s" % err)
+    reason = netns.check_capable()
+    if reason:
+        raise SystemExit("mxhylo.bench train: cannot create network namespaces: "
+                         + reason.replace("the comm benchmark", "this benchmark"))
+    W, S = args.workers, args.servers
+    modes = parsed["modes"]
+    skipped = {m: "skipped: mxhylo.kvstore.transport_ps is not available in this build"
+               for m in modes if m in HYLO_MODES and not hylo_available()}
+    plot = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
+    if args.cleanup_stale:
+        for name in netns.stale_namespaces():
+            subprocess.run(["ip", "netns", "del", name], timeout=netns.CMD_TIMEOUT)
+            _log("removed stale namespace " + name)
+
+    report = {"suite": "train", "task": "tta" if args.tta else "speed",
+              "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+              "machine": machine_report(),
+              "mode_descriptions": {m: MODES[m].description for m in modes}}
+    common = {"workers": W, "servers": S, "rate": args.rate, "rate_bps": parsed["rate_bps"],
+              "delay": args.delay, "mtu": args.mtu, "modes": modes,
+              "hylo_options": parsed["hylo_options"], "momentum": args.momentum,
+              "wd": args.wd, "worker_omp_threads": args.worker_threads or None,
+              "server_omp_threads": launch.SERVER_DEFAULTS.get("OMP_NUM_THREADS"),
+              "hybridize": args.hybridize, "seed": args.seed}
+
+    topo = netns.Topology(role_names(W, S), parsed["rate_bps"], parsed["delay_s"],
+                          mtu=args.mtu, tag="train")
+    tmp = tempfile.mkdtemp(prefix="mxhylo-train-")
+
+    def on_signal(signum, frame):
+        raise _Interrupted("signal %d" % signum)
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    failed = False
+    try:
+        topo.create()
+        _log("namespaces %s* up: %d roles, %s links" % (topo.prefix, len(topo.roles),
+                                                         args.rate))
+        if args.tta:
+            failed = _run_tta(args, parsed, common, report, topo, tmp, skipped)
+        else:
+            failed = _run_speed(args, parsed, common, report, topo, tmp, skipped)
+    except netns.NetnsError as err:
+        raise SystemExit("mxhylo.bench train: network namespaces: %s" % err)
+    except (_Interrupted, KeyboardInterrupt) as err:
+        _log("interrupted (%s): cleaning up" % (str(err) or "SIGINT"))
+        raise SystemExit(130)
+    finally:
+        try:
+            with _Shielded():
+                errors = topo.destroy()
+                if errors:
+                    _log("could not delete: %s" % "; ".join(errors))
+                if args.keep_tmp or failed:
+                    _log("job files kept in " + tmp)
+                else:
+                    shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+    try:
+        report["machine"]["loadavg_end"] = list(os.getloadavg())
+    except OSError:
+        pass
+    lines = report["table"]
+    for line in lines:
+        _log(line)
+    if plot:
+        (write_tta_plot if args.tta else write_speed_plot)(report, plot)
+        report["plot"] = plot
+        _log("plot: " + plot)
+    return report
+
+
+def _run_speed(args, parsed, common, report, topo, tmp, skipped):
+    W, S = args.workers, args.servers
+    models, sizes = parsed["models"], parsed["image_sizes"]
+    report["config"] = dict(common, task="speed", models=models, image_sizes=sizes,
+                            batch_size=args.batch_size, classes=args.classes, lr=args.lr,
+                            steps=args.steps, warmup=args.warmup,
+                            stream_steps=args.stream_steps, data="synthetic, one fixed "
+                            "random batch per worker")
+    report["notes"] = [
+        "seconds: median (and min/max) over %d timed rounds of the slowest worker's time; "
+        "workers meet at a file barrier before each step; %d warm-up rounds excluded"
+        % (args.steps, args.warmup),
+        "step = forward + backward + trainer.step + mx.nd.waitall(); fwd_bwd = forward + "
+        "backward + waitall, no exchange running; exchange = trainer.step + waitall on "
+        "gradients already computed (same job; every step is a real update)",
+        "overlap_s = fwd_bwd + exchange - step",
+        "stream_step_s: %d back-to-back steps with one wait at the end, per step"
+        % args.stream_steps,
+        "wire bytes: interface counters (L2 frames incl. headers) over the %d timed "
+        "exchanges, per exchange; push = workers' tx, pull = workers' rx" % (2 * args.steps),
+        "%d processes share this machine's %s cores" % (1 + S + W, os.cpu_count()),
+    ]
+    report["results"], report["models"] = {}, {}
+    failed = False
+    _log("model shapes (gluoncv, one forward)...")
+    for m in models:
+        shapes = shapes_in_subprocess([m], sizes[m])[m]
+        report["models"][m] = model_summary(shapes, W, S, parsed["rate_bps"])
+        report["models"][m]["image_size"] = sizes[m]
+    port = PS_PORT
+    for m in models:
+        per_mode = report["results"][m] = {}
+        for mode in parsed["modes"]:
+            if mode in skipped:
+                per_mode[mode] = {"status": skipped[mode]}
+                continue
+            timeout = args.timeout or speed_timeout(report["models"][m], W, args.steps,
+                                                    args.warmup, args.stream_steps)
+            job_dir = os.path.join(tmp, "%s-%s" % (m, mode))
+            os.makedirs(job_dir)
+            config = {"task": "speed", "mode": mode, "model": m, "num_workers": W,
+                      "num_servers": S, "image_size": sizes[m],
+                      "batch_size": args.batch_size, "classes": args.classes,
+                      "lr": args.lr, "momentum": args.momentum, "wd": args.wd,
+                      "steps": args.steps, "warmup": args.warmup,
+                      "stream_steps": args.stream_steps, "seed": args.seed,
+                      "hybridize": args.hybridize, "hylo_options": parsed["hylo_options"]}
+            _log("%s / %s (time limit %.0f s)..." % (m, mode, timeout))
+            t0 = time.monotonic()
+            try:
+                results, counters = run_job(topo, job_dir, config, port, timeout,
+                                            args.worker_threads)
+                r = per_mode[mode] = summarise_speed(results, counters.get("start"),
+                                                     counters.get("end"), args.steps)
+                r["job_seconds"] = time.monotonic() - t0
+                _log("  step %.3f s, fwd+bwd %.3f s, exchange %.3f s, overlap %.3f s "
+                     "(job %.0f s)" % (r["step_s"], r["fwd_bwd_s"], r["exchange_s"],
+                                       r["overlap_s"], r["job_seconds"]))
+            except JobError as err:
+                failed = True
+                per_mode[mode] = {"status": "failed: %s" % err, "log_tail": err.log_tail}
+                _log("  FAILED: %s\n%s" % (err, err.log_tail[-1500:]))
+            port += 1
+        add_speedups(per_mode)
+    report["table"] = format_speed_table(report)
+    return failed
+
+
+def _run_tta(args, parsed, common, report, topo, tmp, skipped):
+    W, S = args.workers, args.servers
+    model = parsed["models"][0]
+    data = digits_records(args.tta_data, args.tta_size, tmp)
+    with open(data["train_idx"]) as f:
+        n_train = sum(1 for line in f if line.strip())
+    spe = steps_per_epoch(n_train, W, args.tta_batch_size)
+    if spe < 1:
+        raise SystemExit("mxhylo.bench train: %d training images over %d workers leave "
+                         "less than one batch of %d per worker" % (n_train, W,
+                                                                  args.tta_batch_size))
+    shapes = shapes_in_subprocess([model], args.tta_size)[model]
+    # shapes_in_subprocess builds 1000-class heads; a 10-class head is what is trained
+    summary = model_summary(shapes, W, S, parsed["rate_bps"])
+    report["config"] = dict(common, task="tta", model=model, image_size=args.tta_size,
+                            classes=10, batch_size=args.tta_batch_size, lr=args.tta_lr,
+                            lr_schedule="cosine to 0 over all steps", epochs=args.tta_epochs,
+                            target=args.target, seeds=args.seeds, train_images=n_train,
+                            steps_per_epoch=spe,
+                            data="scikit-learn digits as .rec (grey, %dpx), mean 128 std "
+                                 "64, no augmentation" % args.tta_size)
+    report["notes"] = [
+        "time to target: training seconds (the clock stops while rank 0 evaluates) up to "
+        "the first per-epoch evaluation at or above the target; wall_s includes "
+        "evaluations",
+        "final accuracy: rank 0's after the last epoch (BatchNorm running statistics are "
+        "each worker's own; trainable parameters must be identical: workers_identical)",
+        "modes interleaved within each seed; one parameter-server job per run",
+        "model summary computed with a 1000-class head (bytes nearly the same)",
+    ]
+    report["model_summary"] = summary
+    runs = {m: [] for m in parsed["modes"]}
+    failed = False
+    port = PS_PORT
+    total_steps = spe * args.tta_epochs
+    for seed in range(args.seed, args.seed + args.seeds):
+        for mode in parsed["modes"]:
+            if mode in skipped:
+                runs[mode].append({"status": skipped[mode], "seed": seed})
+                continue
+            timeout = args.timeout or tta_timeout(summary, W, total_steps, args.tta_epochs)
+            job_dir = os.path.join(tmp, "tta-%s-%d" % (mode, seed))
+            os.makedirs(job_dir)
+            config = dict(data, task="tta", mode=mode, model=model, num_workers=W,
+                          num_servers=S, image_size=args.tta_size, classes=10,
+                          batch_size=args.tta_batch_size, lr=args.tta_lr,
+                          momentum=args.momentum, wd=args.wd, epochs=args.tta_epochs,
+                          steps_per_epoch=spe, seed=seed, hybridize=args.hybridize,
+                          hylo_options=parsed["hylo_options"])
+            _log("tta %s seed %d (time limit %.0f s)..." % (mode, seed, timeout))
+            t0 = time.monotonic()
+            try:
+                results, counters = run_job(topo, job_dir, config, port, timeout,
+                                            args.worker_threads)
+                r = summarise_tta_run(results, args.target, counters.get("start"),
+                                      counters.get("end"))
+                r["job_seconds"] = time.monotonic() - t0
+                runs[mode].append(r)
+                t = r["time_to_target"]
+                _log("  final accuracy %.4f, %s, %.1f s training (job %.0f s)" % (
+                    r["final_accuracy"], "target at %.1f s (epoch %d)" % (
+                        t["train_s"], t["epochs"]) if t else "target not reached",
+                    r["train_s"], r["job_seconds"]))
+            except JobError as err:
+                failed = True
+                runs[mode].append({"status": "failed: %s" % err, "seed": seed,
+                                   "log_tail": err.log_tail})
+                _log("  FAILED: %s\n%s" % (err, err.log_tail[-1500:]))
+            port += 1
+    report["runs"] = runs
+    report["summary"] = summarise_tta(runs)
+    report["table"] = format_tta_table(report)
+    return failed

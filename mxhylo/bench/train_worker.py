@@ -1,0 +1,351 @@
+"""What one worker of the ``train`` benchmark runs (started by mxhylo.bench.train).
+
+    python -m mxhylo.bench.train_worker --config JOB.json --index I --out RESULT.json
+
+The process is an MXNet parameter-server worker (the DMLC_* variables come from the
+harness). It trains a gluoncv model with ``gluon.Trainer`` (SGD, momentum) through the
+kvstore of its mode (:data:`MODES`) and writes what it measured as JSON. Two tasks:
+
+``speed`` (``config['task']``): synthetic batches (one fixed random batch per worker),
+``warmup`` untimed rounds, then ``steps`` timed rounds, then ``stream_steps`` back-to-back
+steps. A round is two training steps, each begun after a file barrier of all workers
+(:class:`mxhylo.bench.comm_worker.FileSync`):
+
+* full step: forward, backward, ``trainer.step``, ``mx.nd.waitall()``; timed from the
+  barrier to the end of the wait (and split by where Python was: in forward+backward,
+  in ``trainer.step``, in the final wait);
+* split step: forward, backward, ``waitall`` (timed: "forward+backward alone", nothing
+  else is running, the previous exchange has completed), a second barrier, then
+  ``trainer.step`` and ``waitall`` (timed: "exchange alone", the already computed
+  gradients' exchange plus the update). Both steps are real training steps: the
+  momentum and the parameters are updated every time, so every worker and mode follows
+  the same trajectory.
+
+The stream steps (no barrier, no wait between steps, one wait at the end) show what a
+training loop gets when the next forward may start before the previous exchange has
+finished. Around the timed rounds worker 0 asks the harness to read the interface
+counters (``mark``), so those bytes belong to exactly 2 * ``steps`` exchanges.
+
+``tta``: time to accuracy on the digits .rec (mxhylo.io.RecordLoader, each worker its
+part), ``epochs`` epochs with a cosine learning rate; after every epoch rank 0
+evaluates the validation set. The training clock stops during the evaluation (the
+other workers wait at the next epoch's barrier): ``train_s`` excludes it, ``wall_s``
+includes it.
+
+Every worker reports a SHA-256 of its trainable parameters at the end: synchronous
+workers must hold bitwise identical parameters (BatchNorm's running statistics are
+each worker's own and are left out).
+"""
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+import warnings
+
+from .comm_worker import FileSync, _jsonable
+
+
+# ----------------------------------------------------------------------------- modes
+
+class Mode:
+    """How a mode builds its kvstore. ``kvstore(cfg)`` returns (kvstore object,
+    update_on_kvstore for gluon.Trainer: None = Gluon's default for that store)."""
+    description = ""
+
+    def kvstore(self, cfg):
+        raise NotImplementedError
+
+
+class DistSync(Mode):
+    """MXNet's native dist_sync, dense, with gluon.Trainer's defaults (the update then
+    runs on the servers: workers push gradients and pull weights): what users run."""
+    description = "MXNet dist_sync, dense (gluon.Trainer defaults: update on the servers)"
+
+    def kvstore(self, cfg):
+        import mxnet as mx
+        return mx.kv.create("dist_sync"), None
+
+
+class DistSyncWorkerUpdate(Mode):
+    """dist_sync with update_on_kvstore=False: dense pushpull of gradients, the update
+    on the workers (the way hylo updates)."""
+    description = "MXNet dist_sync, dense, update on the workers (update_on_kvstore=False)"
+
+    def kvstore(self, cfg):
+        import mxnet as mx
+        return mx.kv.create("dist_sync"), False
+
+
+class HyloMode(Mode):
+    options = {}
+    description = "mxhylo.create('dist_sync_hylo') with its default options"
+
+    def kvstore(self, cfg):
+        import mxhylo
+        options = dict(cfg.get("hylo_options") or {})
+        options.update(self.options)
+        return mxhylo.create("dist_sync_hylo", **options), None
+
+
+class HyloDensePull(HyloMode):
+    options = {"compress_pull": False}
+    description = "mxhylo.create('dist_sync_hylo', compress_pull=False): Hylo as published"
+
+
+MODES = {
+    "dist_sync": DistSync,
+    "dist_sync_workerupdate": DistSyncWorkerUpdate,
+    "hylo_densepull": HyloDensePull,
+    "hylo": HyloMode,
+}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def param_checksum(net):
+    """(sha256 hex, sum of |x| in float64) of the trainable parameters, in name order."""
+    import numpy as np
+    digest = hashlib.sha256()
+    total = 0.0
+    params = net.collect_params()
+    for name in sorted(params.keys()):
+        p = params[name]
+        if p.grad_req == "null":
+            continue
+        a = np.ascontiguousarray(p.data().asnumpy())
+        digest.update(name.encode())
+        digest.update(a.tobytes())
+        total += float(np.abs(a.astype(np.float64)).sum())
+    return digest.hexdigest(), total
+
+
+def build_net(name, classes, seed, hybridize=True):
+    import mxnet as mx
+    import numpy as np
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import gluoncv
+    mx.random.seed(seed)
+    np.random.seed(seed)
+    net = gluoncv.model_zoo.get_model(name, pretrained=False, classes=classes)
+    net.initialize(mx.init.Xavier(magnitude=2))
+    if hybridize:
+        net.hybridize(static_alloc=True, static_shape=True)
+    return net
+
+
+def make_trainer(cfg, net, lr):
+    import mxnet as mx
+    kv, update_on_kvstore = MODES[cfg["mode"]]().kvstore(cfg)
+    trainer = mx.gluon.Trainer(net.collect_params(), "sgd",
+                               {"learning_rate": lr, "momentum": cfg["momentum"],
+                                "wd": cfg["wd"]},
+                               kvstore=kv, update_on_kvstore=update_on_kvstore)
+    return kv, trainer
+
+
+def _stats(kv):
+    return _jsonable(kv.stats()) if hasattr(kv, "stats") else None
+
+
+# ----------------------------------------------------------------------------- speed
+
+def run_speed(cfg, index):
+    import mxnet as mx
+    import numpy as np
+    from mxnet import autograd, gluon
+
+    t_begin = time.perf_counter()
+    sync = FileSync(cfg["sync_dir"], cfg["num_workers"], index,
+                    timeout=cfg["barrier_timeout"])
+    B, S, C = cfg["batch_size"], cfg["image_size"], cfg["classes"]
+    net = build_net(cfg["model"], C, cfg["seed"], cfg.get("hybridize", True))
+    rng = np.random.RandomState(cfg["seed"] * 1000 + index)
+    data = mx.nd.array(rng.uniform(-1, 1, size=(B, 3, S, S)).astype(np.float32))
+    label = mx.nd.array(rng.randint(0, C, size=(B,)).astype(np.float32))
+    net(data)                                   # deferred initialisation
+    mx.nd.waitall()
+    kv, trainer = make_trainer(cfg, net, cfg["lr"])
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    setup_s = time.perf_counter() - t_begin
+
+    def fwd_bwd():
+        with autograd.record():
+            loss = loss_fn(net(data), label)
+        loss.backward()
+
+    def full_step():
+        sync.barrier()
+        t0, w0 = time.perf_counter(), time.time()
+        fwd_bwd()
+        t1 = time.perf_counter()
+        trainer.step(B)
+        t2 = time.perf_counter()
+        mx.nd.waitall()
+        t3 = time.perf_counter()
+        return {"start": w0, "seconds": t3 - t0, "fwd_bwd_call_s": t1 - t0,
+                "step_call_s": t2 - t1, "wait_s": t3 - t2}
+
+    def split_step():
+        sync.barrier()
+        t0 = time.perf_counter()
+        fwd_bwd()
+        mx.nd.waitall()
+        t1 = time.perf_counter()
+        sync.barrier()
+        t2 = time.perf_counter()
+        trainer.step(B)
+        t3 = time.perf_counter()
+        mx.nd.waitall()
+        t4 = time.perf_counter()
+        return {"fwd_bwd_s": t1 - t0, "exchange_s": t4 - t2, "exchange_call_s": t3 - t2}
+
+    warm = []
+    for _ in range(cfg["warmup"]):
+        warm.append({"full": full_step(), "split": split_step()})
+    stats_before = _stats(kv)
+    sync.barrier("window")
+    if index == 0:
+        sync.mark("start")
+    sync.barrier("start")
+    rounds = [{"full": full_step(), "split": split_step()} for _ in range(cfg["steps"])]
+    sync.barrier("end")
+    if index == 0:
+        sync.mark("end")
+    stats_after = _stats(kv)
+    stream = None
+    if cfg.get("stream_steps", 0) > 0:
+        sync.barrier("stream")
+        t0 = time.perf_counter()
+        for _ in range(cfg["stream_steps"]):
+            fwd_bwd()
+            trainer.step(B)
+        mx.nd.waitall()
+        stream = {"steps": cfg["stream_steps"], "seconds": time.perf_counter() - t0}
+    sha, total = param_checksum(net)
+    sync.barrier("done")
+    return {"index": index, "rank": int(kv.rank), "mode": cfg["mode"], "task": "speed",
+            "update_on_kvstore": bool(trainer._update_on_kvstore),
+            "setup_s": setup_s, "warmup": warm, "rounds": rounds, "stream": stream,
+            "stats_before": stats_before, "stats": stats_after,
+            "param_sha256": sha, "param_abs_sum": total}
+
+
+# ----------------------------------------------------------------------------- tta
+
+def cosine_lr(base, step, total):
+    """Cosine decay from ``base`` at step 0 to 0 at ``total``."""
+    return base * 0.5 * (1.0 + math.cos(math.pi * min(step, total) / float(max(total, 1))))
+
+
+def evaluate(net, loader):
+    correct = seen = 0
+    for data, label in loader:
+        pred = net(data[0]).argmax(axis=1).asnumpy()
+        y = label[0].asnumpy().reshape(-1)[:len(pred)]
+        correct += int((pred == y).sum())
+        seen += len(y)
+    return correct / float(max(seen, 1))
+
+
+def run_tta(cfg, index):
+    import mxnet as mx
+    from mxnet import autograd, gluon
+
+    from mxhylo.io import RecordLoader
+
+    t_begin = time.perf_counter()
+    sync = FileSync(cfg["sync_dir"], cfg["num_workers"], index,
+                    timeout=cfg["barrier_timeout"])
+    B, S, C = cfg["batch_size"], cfg["image_size"], cfg["classes"]
+    net = build_net(cfg["model"], C, cfg["seed"], cfg.get("hybridize", True))
+    net(mx.nd.zeros((1, 1, S, S)))
+    mx.nd.waitall()
+    kv, trainer = make_trainer(cfg, net, cfg["lr"])
+    rank, W = int(kv.rank), int(kv.num_workers)
+    norm = {"mean": 128.0, "std": 64.0}
+    train = RecordLoader(cfg["train_rec"], cfg["train_idx"], B, (1, S, S), shuffle=True,
+                         seed=cfg["seed"] * 1000 + rank, num_parts=W, part_index=rank,
+                         last_batch="drop", preprocess_threads=1, **norm)
+    val = RecordLoader(cfg["val_rec"], cfg["val_idx"], 256, (1, S, S), num_parts=1,
+                       part_index=0, last_batch="keep", preprocess_threads=1,
+                       prefetch=0, **norm) if rank == 0 else None
+    steps_per_epoch = int(cfg["steps_per_epoch"])
+    if len(train) < steps_per_epoch:
+        raise SystemExit("worker %d: its part has %d batches, fewer than the %d steps per "
+                         "epoch every worker must take" % (index, len(train), steps_per_epoch))
+    total_steps = steps_per_epoch * cfg["epochs"]
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    setup_s = time.perf_counter() - t_begin
+
+    history, train_s, step = [], 0.0, 0
+    sync.barrier("window")
+    if index == 0:
+        sync.mark("start")
+    sync.barrier("start")
+    wall0 = time.perf_counter()
+    for epoch in range(cfg["epochs"]):
+        sync.barrier()
+        t0 = time.perf_counter()
+        for i, (data, label) in enumerate(train):
+            if i == steps_per_epoch:
+                break
+            trainer.set_learning_rate(cosine_lr(cfg["lr"], step, total_steps))
+            with autograd.record():
+                loss = loss_fn(net(data[0]), label[0])
+            loss.backward()
+            trainer.step(B)
+            step += 1
+        mx.nd.waitall()
+        train_s += time.perf_counter() - t0
+        entry = {"epoch": epoch + 1, "steps": step, "train_s": train_s,
+                 "wall_s": time.perf_counter() - wall0}
+        if val is not None:
+            entry["accuracy"] = evaluate(net, val)
+            entry["eval_s"] = time.perf_counter() - wall0 - entry["wall_s"]
+        history.append(entry)
+    sync.barrier("end")
+    if index == 0:
+        sync.mark("end")
+    sha, total = param_checksum(net)
+    stats = _stats(kv)
+    if stats is not None:
+        stats.pop("layers", None)
+    train.close()
+    if val is not None:
+        val.close()
+    sync.barrier("done")
+    return {"index": index, "rank": rank, "mode": cfg["mode"], "task": "tta",
+            "seed": cfg["seed"], "setup_s": setup_s, "history": history,
+            "steps_per_epoch": steps_per_epoch, "update_on_kvstore":
+            bool(trainer._update_on_kvstore), "stats": stats,
+            "param_sha256": sha, "param_abs_sum": total}
+
+
+# ----------------------------------------------------------------------------- main
+
+TASKS = {"speed": run_speed, "tta": run_tta}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m mxhylo.bench.train_worker",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="job config JSON from the harness")
+    parser.add_argument("--index", type=int, required=True, help="this worker's index")
+    parser.add_argument("--out", required=True, help="write the result JSON here")
+    args = parser.parse_args(argv)
+    with open(args.config) as f:
+        cfg = json.load(f)
+    result = TASKS[cfg["task"]](cfg, args.index)
+    with open(args.out + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.rename(args.out + ".tmp", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
