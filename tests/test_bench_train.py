@@ -1,0 +1,394 @@
+"""The train benchmark's harness: option checks, the step/overlap/speedup and
+time-to-accuracy maths, job commands, counter marks, tables and plots; as root, one
+short real run of a tiny model (2 workers, 1 server) and a SIGTERM mid-run."""
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mxhylo.bench import netns, train, train_worker
+
+
+def _args(argv=()):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    train.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+# ----------------------------------------------------------------------------- options
+
+def test_defaults_are_the_issue_setup():
+    args = _args()
+    parsed = train.check_args(args)
+    assert (args.workers, args.servers, args.rate) == (4, 2, "1gbit")
+    assert parsed["models"] == ["resnet50_v1b"] and parsed["image_sizes"] == {"resnet50_v1b": 64}
+    assert parsed["modes"] == ["dist_sync", "hylo_densepull", "hylo"]
+    assert args.batch_size == 8 and args.momentum == 0.9 and parsed["rate_bps"] == 1e9
+    assert args.seeds == 3 and args.target == 0.95 and not args.tta
+
+
+def test_image_size_per_model():
+    assert train.image_size_for("vgg16") == 224
+    assert train.image_size_for("alexnet") == 224
+    assert train.image_size_for("resnet50_v1b") == 64
+    assert train.image_size_for("resnet50_v1b", 96) == 96
+    parsed = train.check_args(_args(["--models", "resnet50_v1b,vgg16,alexnet"]))
+    assert parsed["image_sizes"] == {"resnet50_v1b": 64, "vgg16": 224, "alexnet": 224}
+    with pytest.raises(ValueError, match="vgg16 needs --image-size 224"):
+        train.check_args(_args(["--models", "vgg16", "--image-size", "64"]))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--modes", "dist_sync,horovod"], "unknown mode horovod"),
+    (["--modes", "hylo,hylo"], "twice"),
+    (["--rate", "fast"], "not a rate"),
+    (["--hylo-options", "{bad"], "not JSON"),
+    (["--hylo-options", "[1]"], "JSON object"),
+    (["-n", "0"], "at least one worker"),
+    (["--steps", "0"], "--steps"),
+    (["--tta", "--target", "95"], "accuracy in"),
+    (["--tta", "--seeds", "0"], "--seeds"),
+])
+def test_bad_options_say_why(argv, message):
+    with pytest.raises(ValueError, match=message):
+        train.check_args(_args(argv))
+
+
+def test_run_reports_bad_options_before_anything(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    with pytest.raises(SystemExit) as exc:
+        train.run(_args(["--modes", "nope"]))
+    assert "unknown mode nope" in str(exc.value.code)
+
+
+def test_not_root_says_so(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SystemExit) as exc:
+        train.run(_args([]))
+    assert "needs root" in str(exc.value.code) and "this benchmark" in str(exc.value.code)
+
+
+def test_every_mode_has_a_kvstore_recipe():
+    assert set(train.DEFAULT_MODES) <= set(train_worker.MODES)
+    assert train_worker.HyloDensePull.options == {"compress_pull": False}
+    assert train_worker.HyloMode.options == {}        # the library's defaults
+    for cls in train_worker.MODES.values():
+        assert cls.description
+
+
+def test_registered_as_bench_suite():
+    from mxhylo.bench import __main__ as bench_main
+    assert "train" in bench_main.SUITES
+
+
+# ----------------------------------------------------------------------------- maths
+
+def _round(step, fwd_bwd, exchange):
+    return {"full": {"seconds": step, "fwd_bwd_call_s": 0.01, "step_call_s": step - 0.2,
+                     "wait_s": 0.19},
+            "split": {"fwd_bwd_s": fwd_bwd, "exchange_s": exchange,
+                      "exchange_call_s": exchange / 2}}
+
+
+def _worker(index, rounds, sha="abc", stats=None, stats_before=None):
+    return {"index": index, "rank": index, "setup_s": 3.0 + index, "update_on_kvstore": False,
+            "warmup": [_round(9.0, 1.0, 1.0)], "rounds": rounds,
+            "stream": {"steps": 4, "seconds": 4.0 * (1.5 + index)},
+            "param_sha256": sha, "param_abs_sum": 1.5,
+            "stats": stats, "stats_before": stats_before}
+
+
+def test_spread_and_overlap():
+    s = train.spread([3.0, 1.0, 2.0, None])
+    assert (s["min"], s["median"], s["max"], s["n"]) == (1.0, 2.0, 3.0, 3)
+    assert train.spread([]) is None
+    assert train.overlap(0.6, 2.0, 2.3) == pytest.approx(0.3)
+    assert train.overlap(0.6, 2.0, 2.6) == pytest.approx(0.0)
+
+
+def test_summarise_speed_slowest_worker_medians_and_bytes():
+    w0 = [_round(2.0, 0.5, 1.7), _round(2.2, 0.6, 1.8), _round(2.1, 0.5, 1.6)]
+    w1 = [_round(2.4, 0.7, 1.6), _round(2.0, 0.5, 2.0), _round(2.3, 0.6, 1.7)]
+    before = {"worker0": (0, 0), "worker1": (0, 0), "server0": (0, 0)}
+    after = {"worker0": (600, 1200), "worker1": (600, 1200), "server0": (2400, 1200)}
+    stats_b = {"steps": 2, "bytes_pushed": 100, "timing": {"encode": 0.1}}
+    stats_a = {"steps": 8, "bytes_pushed": 700, "timing": {"encode": 0.25}}
+    res = train.summarise_speed([_worker(0, w0, stats=stats_a, stats_before=stats_b),
+                                 _worker(1, w1, stats=stats_a, stats_before=stats_b)],
+                                before, after, steps=3)
+    # slowest per round: steps 2.4, 2.2, 2.3; fwd_bwd 0.7, 0.6, 0.6; exchange 1.7, 2.0, 1.7
+    assert res["step_s"] == pytest.approx(2.3)
+    assert (res["step"]["min"], res["step"]["max"]) == (pytest.approx(2.2), pytest.approx(2.4))
+    assert res["fwd_bwd_s"] == pytest.approx(0.6)
+    assert res["exchange_s"] == pytest.approx(1.7)
+    assert res["overlap_s"] == pytest.approx(0.6 + 1.7 - 2.3)
+    assert res["overlap_fraction_of_exchange"] == pytest.approx(0.0 / 1.7, abs=1e-9)
+    assert res["step_over_fwd_bwd"] == pytest.approx(2.3 / 0.6)
+    assert res["stream_step_s"] == pytest.approx(2.5)          # the slower worker's
+    assert res["setup_s"] == 4.0 and res["warmup_step_s"] == [9.0]
+    # 3 rounds = 6 exchanges in the counter window
+    assert res["wire"]["push_bytes_per_step"] == pytest.approx(1200 / 6)
+    assert res["wire"]["pull_bytes_per_step"] == pytest.approx(2400 / 6)
+    assert res["hylo"]["bytes_pushed_per_step"] == pytest.approx(2 * 600 / 6)
+    # cumulative averages to the window's own: (0.25 * 8 - 0.1 * 2) / 6
+    assert res["hylo"]["timing_per_exchange_s"][0]["encode"] == pytest.approx(0.3)
+    assert res["workers_identical"] is True
+
+
+def test_checksums_that_differ_are_reported():
+    rounds = [_round(1.0, 0.5, 0.5)]
+    res = train.summarise_speed([_worker(0, rounds, sha="a"), _worker(1, rounds, sha="b")],
+                                None, None, steps=1)
+    assert res["workers_identical"] is False and res["param_sha256"] == ["a", "b"]
+    assert "wire" not in res and "hylo" not in res
+
+
+def test_speedups_against_dist_sync():
+    per_mode = {"dist_sync": {"status": "ok", "step_s": 2.4, "stream_step_s": 2.0},
+                "hylo": {"status": "ok", "step_s": 0.8, "stream_step_s": 0.5},
+                "hylo_densepull": {"status": "failed: boom"}}
+    train.add_speedups(per_mode)
+    assert per_mode["dist_sync"]["speedup_vs_dist_sync"] == pytest.approx(1.0)
+    assert per_mode["hylo"]["speedup_vs_dist_sync"] == pytest.approx(3.0)
+    assert per_mode["hylo"]["stream_speedup_vs_dist_sync"] == pytest.approx(4.0)
+    assert "speedup_vs_dist_sync" not in per_mode["hylo_densepull"]
+    alone = train.add_speedups({"hylo": {"status": "ok", "step_s": 1.0}})
+    assert alone["hylo"]["speedup_vs_dist_sync"] is None
+
+
+def _history(accs, per_epoch=10.0, eval_s=1.0, steps=10):
+    return [{"epoch": i + 1, "steps": steps * (i + 1), "train_s": per_epoch * (i + 1),
+             "wall_s": (per_epoch + eval_s) * (i + 1), "accuracy": a}
+            for i, a in enumerate(accs)]
+
+
+def test_time_to_target_is_the_first_evaluation_at_or_above():
+    h = _history([0.5, 0.95, 0.9, 0.97])
+    t = train.time_to_target(h, 0.95)
+    assert (t["epochs"], t["steps"], t["train_s"], t["wall_s"]) == (2, 20, 20.0, 22.0)
+    assert train.time_to_target(h, 0.98) is None
+
+
+def test_tta_summaries():
+    def run(mode_speed, accs, seed, sha="x"):
+        return [{"index": i, "rank": i, "seed": seed, "setup_s": 1.0,
+                 "history": _history(accs, per_epoch=mode_speed) if i == 0 else [],
+                 "steps_per_epoch": 10, "update_on_kvstore": False, "stats": None,
+                 "param_sha256": sha, "param_abs_sum": 1.0} for i in range(2)]
+    runs = {"dist_sync": [train.summarise_tta_run(run(10.0, [0.9, 0.96, 0.97], 0), 0.95),
+                          train.summarise_tta_run(run(10.0, [0.9, 0.94, 0.96], 1), 0.95)],
+            "hylo": [train.summarise_tta_run(run(4.0, [0.8, 0.95, 0.965], 0), 0.95),
+                     train.summarise_tta_run(run(4.0, [0.9, 0.9, 0.94], 1), 0.95),
+                     {"status": "failed: x", "seed": 2}]}
+    assert runs["dist_sync"][1]["time_to_target"]["epochs"] == 3
+    assert runs["hylo"][1]["time_to_target"] is None
+    assert runs["hylo"][0]["final_accuracy"] == 0.965 and runs["hylo"][0]["workers_identical"]
+    s = train.summarise_tta(runs)
+    assert s["dist_sync"]["reached"] == 2 and s["hylo"]["reached"] == 1
+    assert s["hylo"]["runs"] == 3 and s["hylo"]["ok"] == 2
+    assert s["dist_sync"]["time_to_target_s"]["median"] == pytest.approx(25.0)
+    assert s["hylo"]["time_to_target_s"]["median"] == pytest.approx(8.0)
+    assert s["hylo"]["time_to_target_speedup_vs_dist_sync"] == pytest.approx(25.0 / 8.0)
+    assert s["dist_sync"]["final_accuracy"]["mean"] == pytest.approx(0.965)
+    assert s["hylo"]["accuracy_gap_points"] == pytest.approx(100 * (0.9525 - 0.965))
+    report = {"runs": runs, "summary": s}
+    lines = train.format_tta_table(report)
+    assert any("not hit" in l for l in lines) and any("failed: x" in l for l in lines)
+
+
+def test_steps_per_epoch_uses_the_smallest_part():
+    assert train.steps_per_epoch(1348, 4, 32) == 10          # parts of 337
+    assert train.steps_per_epoch(1348, 2, 64) == 10          # parts of 674
+    assert train.steps_per_epoch(9, 4, 1) == 0               # parts 3, 3, 3, 0
+
+
+def test_cosine_lr():
+    assert train_worker.cosine_lr(0.1, 0, 100) == pytest.approx(0.1)
+    assert train_worker.cosine_lr(0.1, 50, 100) == pytest.approx(0.05)
+    assert train_worker.cosine_lr(0.1, 100, 100) == pytest.approx(0.0)
+
+
+def test_cpu_features_like_grep():
+    text = ("flags\t: fpu sse2 avx avx2 f16c avx512f avx512dq avx512_vnni avx512bw\n"
+            "flags\t: fpu avx2 f16c avx512f\nmodel name\t: X\n")
+    assert train.cpu_features(text) == ["avx2", "avx512_vnni", "avx512bw", "avx512dq",
+                                        "avx512f", "f16c"]
+    assert train.cpu_features("flags: sse2 avx\n") == []
+    info = train.machine_report()
+    assert "cpu_features" in info and "cpus" in info
+
+
+# ----------------------------------------------------------------------------- jobs
+
+def test_job_children_commands_and_environment(tmp_path):
+    topo = netns.Topology(["scheduler", "server0", "worker0", "worker1"], 1e9, tag="t")
+    children = train.job_children(topo, 2, 1, 9123, "/c.json", str(tmp_path),
+                                  worker_threads=1, python="/py")
+    names = [c.name for c in children]
+    assert names == ["scheduler", "server 0", "worker 0", "worker 1"]
+    roles = [c.role for c in children]
+    assert roles == ["scheduler", "server", "worker", "worker"]
+    for c, role in zip(children, topo.roles):
+        assert c.argv[:4] == ["ip", "netns", "exec", topo.ns(role)]
+        assert c.env["DMLC_PS_ROOT_URI"] == topo.addr("scheduler")
+        assert c.env["DMLC_PS_ROOT_PORT"] == "9123"
+        assert c.env["DMLC_NUM_WORKER"] == "2" and c.env["DMLC_NUM_SERVER"] == "1"
+        assert c.env["DMLC_NODE_HOST"] == topo.addr(role)
+        assert c.env["DMLC_ROLE"] == c.role
+    sched, server, w0, w1 = children
+    assert sched.argv[4:] == ["/py", "-c", "import mxnet"]
+    assert server.env.get("OMP_NUM_THREADS") == os.environ.get("OMP_NUM_THREADS", "1")
+    assert w1.argv[4:] == ["/py", "-m", "mxhylo.bench.train_worker", "--config", "/c.json",
+                           "--index", "1", "--out", str(tmp_path / "worker1.json")]
+    assert w0.env["OMP_NUM_THREADS"] == "1"
+    # DMLC_* of the harness's own environment never leak into a child
+    assert "DMLC_TASK_ID" not in w0.env
+    free = train.job_children(topo, 2, 1, 9123, "/c.json", str(tmp_path), worker_threads=0)
+    assert free[2].env.get("OMP_NUM_THREADS") == os.environ.get("OMP_NUM_THREADS")
+
+
+def test_counter_marks_are_answered(tmp_path):
+    class FakeTopo:
+        calls = 0
+
+        def all_counters(self):
+            FakeTopo.calls += 1
+            return {"worker0": (FakeTopo.calls, 2)}
+    job = train.NetnsJob([], FakeTopo(), str(tmp_path))
+    (tmp_path / "mark-start").write_text("1\n")
+    (tmp_path / "mark-end.tmp").write_text("1\n")        # not yet renamed: ignored
+    job._serve_marks()
+    job._serve_marks()                                   # answered once
+    assert (tmp_path / "mark-start.ack").exists()
+    assert not (tmp_path / "mark-end.tmp.ack").exists()
+    assert job.counters == {"start": {"worker0": (1, 2)}}
+
+
+def test_timeouts_grow_with_the_model():
+    small = {"dense_pull_floor_s": 0.01, "dense_bytes": 1e6}
+    big = {"dense_pull_floor_s": 8.9, "dense_bytes": 5.5e8}
+    assert train.speed_timeout(small, 4, 5, 2, 4) < train.speed_timeout(big, 4, 5, 2, 4)
+    assert 240 < train.speed_timeout(small, 4, 5, 2, 4) < 600
+    assert train.tta_timeout(small, 4, 150, 15) < train.tta_timeout(big, 4, 150, 15)
+
+
+def test_speed_table_and_plot(tmp_path):
+    rounds = [_round(2.0, 0.5, 1.7)]
+    ok = train.summarise_speed([_worker(0, rounds), _worker(1, rounds)], None, None, 1)
+    report = {"results": {"resnet50_v1b": train.add_speedups(
+                  {"dist_sync": ok, "hylo": {"status": "failed: boom"}})},
+              "config": {"image_sizes": {"resnet50_v1b": 64}, "batch_size": 8,
+                         "workers": 2, "servers": 1, "rate": "1gbit"},
+              "machine": {"cpu": "X"}, "date": "2026-11-23T10:00:00"}
+    lines = train.format_speed_table(report)
+    assert "1.00x" in lines[1] and "failed: boom" in lines[2]
+    train.write_speed_plot(report, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+# ----------------------------------------------------------------------------- as root
+
+def _namespaces_usable():
+    if netns.check_capable():
+        return False
+    name = "mxhcomm%d-probe" % os.getpid()
+    try:
+        ok = subprocess.run(["ip", "netns", "add", name], capture_output=True,
+                            timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    if ok:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
+    return ok
+
+
+needs_netns = pytest.mark.skipif(not _namespaces_usable(),
+                                 reason="needs root and iproute2 to create network namespaces")
+
+
+@needs_netns
+def test_tiny_real_run(tmp_path):
+    out = tmp_path / "train.json"
+    report = train.run(_args([
+        "-n", "2", "-s", "1", "--models", "cifar_resnet20_v1", "--image-size", "16",
+        "--classes", "10", "--modes", "dist_sync,hylo", "--steps", "1", "--warmup", "1",
+        "--stream-steps", "1", "--timeout", "120", "--json", str(out)]))
+    assert netns.own_namespaces("mxhcomm%d-" % os.getpid()) == []
+    per_mode = report["results"]["cifar_resnet20_v1"]
+    for mode in ("dist_sync", "hylo"):
+        r = per_mode[mode]
+        assert r["status"] == "ok", r.get("log_tail", r["status"])
+        assert r["step_s"] > 0 and r["fwd_bwd_s"] > 0 and r["exchange_s"] > 0
+        assert r["workers_identical"], r["param_sha256"]
+        assert r["wire"]["push_bytes_per_step"] > 0
+    assert per_mode["dist_sync"]["update_on_kvstore"] is True      # Gluon's default
+    assert per_mode["hylo"]["update_on_kvstore"] is False
+    assert "bytes_pushed_per_step" in per_mode["hylo"]["hylo"]
+    assert per_mode["dist_sync"]["speedup_vs_dist_sync"] == pytest.approx(1.0)
+    assert (tmp_path / "train.png").exists()
+    assert report["machine"]["cpu_features"] is not None
+
+
+@needs_netns
+def test_sigterm_mid_run_removes_everything(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mxhylo.bench", "train", "-n", "2", "-s", "1",
+         "--models", "cifar_resnet20_v1", "--image-size", "16", "--classes", "10",
+         "--modes", "hylo", "--steps", "50", "--timeout", "120"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    prefix = "mxhcomm%d-" % proc.pid
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(
+                "train_worker" in _cmdline(pid) for pid in _descendants(proc.pid)):
+            time.sleep(0.2)
+        assert netns.own_namespaces(prefix), "the run never started its workers"
+        children = [pid for pid in _descendants(proc.pid) if "mxnet" in _cmdline(pid)
+                    or "mxhylo" in _cmdline(pid)]
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert netns.own_namespaces(prefix) == [], out[-2000:]
+    assert children
+    left = [pid for pid in children if "mxnet" in _cmdline(pid) or "mxhylo" in _cmdline(pid)]
+    assert left == []
+
+
+def _all_pids():
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _cmdline(pid):
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            return f.read().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _descendants(root):
+    parents = {}
+    for pid in _all_pids():
+        try:
+            with open("/proc/%d/stat" % pid) as f:
+                data = f.read()
+            parents[pid] = int(data[data.rindex(")") + 2:].split()[1])
+        except (OSError, ValueError):
+            pass
+    out, frontier = [], [root]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out += kids
+        frontier += kids
+    return out
