@@ -159,7 +159,8 @@ def missing_features(isa=None, cpu=None):
     return [f for f in ISA_LEVELS[name][1] if f not in cpu]
 
 
-def _cpu_model():
+def cpu_model():
+    """The CPU's model name (/proc/cpuinfo), else what the platform module says."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -178,7 +179,7 @@ def cache_key(cxx, cxxflags):
     for path in (SOURCE, lib_api_cc, os.path.join(include, "mxnet", "lib_api.h")):
         with open(path, "rb") as f:
             h.update(f.read())
-    cpu = [_cpu_model()] if "-march=native" in cxxflags else []
+    cpu = [cpu_model()] if "-march=native" in cxxflags else []
     for part in [mx.__version__] + cpu + list(cxx) + list(cxxflags):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:16]

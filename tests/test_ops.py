@@ -1,10 +1,22 @@
 """mxhylo.ops: C++ operators == NDArray reference == an independent numpy oracle.
 
 The numpy functions below restate the contract from scratch (they do not call
-the library). Every operator test runs twice, once through mxhylo.ops (the C++
-path on CPU) and once through mxhylo.ops.reference. Bitwise equality where the
-math is the same float32 operations (codes, indices, residuals, values);
-statistics are sums in different orders (rtol 1e-5).
+the library). Every operator test runs through mxhylo.ops (the C++ path on
+CPU, with select_kernels' AVX-512 row kernel on and off where the build has
+it) and through mxhylo.ops.reference. Bitwise equality where the math is the
+same float32 operations (codes, indices, residuals, values); the C++ sum of
+|a| follows a documented order, which np_l1_ordered restates bit for bit; the
+reference sums in another order (rtol 1e-5).
+
+CPU-dependent paths: the library is compiled per ISA level (native,
+x86-64-v3 = AVX2, x86-64 = SSE2 baseline; mxhylo.ops.build). One process can
+load one build, so test_isa_builds_agree_bitwise runs every level this CPU
+can run in its own subprocess on the same inputs (random, and the edges:
+zeros, NaN/Inf, sizes 1 and 17, odd tails, every float16 bit pattern) and
+requires every output to be bitwise identical. On an AVX-512 machine the
+x86-64-v3 build is the AVX2 path (test_avx2_build_has_no_avx512 checks its
+machine code has no AVX-512 register); levels the CPU cannot run are skipped
+with the missing features named.
 """
 import os
 import subprocess
@@ -39,6 +51,28 @@ def np_quantize(g, r, t):
     packed = np.bitwise_or.reduce(code << (2 * np.arange(16, dtype=np.uint32)), axis=1)
     stats = np.array([np.abs(a[fin]).astype(np.float64).sum(), (~fin).sum()])
     return packed.astype(np.uint32).view(np.int32), r_new, stats
+
+
+def np_l1_ordered(g, r):
+    """float32 sum of |a| over finite a in the C++ order (hylo_ops.cc, kChunk):
+    element i to float32 lane i % 16, summed in element order per chunk of 1024
+    elements; a chunk's 16 lanes added in lane order; chunks added in order in
+    float64; the total rounded to float32. Bitwise what every build returns."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        a = g.astype(F32).ravel() + r.ravel()
+    x = np.where(np.isfinite(a), np.abs(a), F32(0)).astype(F32)
+    chunks = -(-x.size // 1024)
+    x = np.concatenate([x, np.zeros(chunks * 1024 - x.size, F32)]).reshape(chunks, 64, 16)
+    lanes = np.zeros((chunks, 16), F32)
+    for i in range(64):  # element order within a lane
+        lanes += x[:, i, :]
+    sums = np.zeros(chunks, F32)
+    for j in range(16):  # lane order
+        sums += lanes[:, j]
+    total = 0.0
+    for v in sums.astype(np.float64):  # chunk order, float64
+        total += v
+    return F32(total)
 
 
 def np_dequantize(codes, t, shape):
@@ -86,7 +120,8 @@ def impl(request):
 
 @pytest.fixture(params=["cpp", "cpp_portable", "reference"])
 def quant_impl(request):
-    """Like impl, plus the C++ library with its AVX-512 kernels switched off."""
+    """Like impl, plus the C++ library with its AVX-512 kernel (select_kernels'
+    row norms; builds without AVX-512 have only the portable loop) switched off."""
     if request.param == "reference":
         yield reference
         return
@@ -136,6 +171,8 @@ def test_quantize_matches_numpy(quant_impl, shape, dtype):
     np.testing.assert_array_equal(codes.asnumpy(), want_codes)
     np.testing.assert_array_equal(bits(res.asnumpy()), bits(want_r))
     np.testing.assert_allclose(stats.asnumpy(), want_stats, rtol=1e-5)
+    if quant_impl is not reference:
+        assert bits(stats.asnumpy()[0]) == bits(np_l1_ordered(g, r))
 
 
 def test_quantize_zeros_and_threshold_rounding(quant_impl):
@@ -247,12 +284,12 @@ SELECT_CASES = [((5, 3, 3, 3), [0, 1, 2, 5]), ((1, 1, 1, 1), [0, 1]), ((7, 1), [
 
 @pytest.mark.parametrize("shape,ks", SELECT_CASES)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_select_matches_numpy(impl, shape, ks, dtype):
+def test_select_matches_numpy(quant_impl, shape, ks, dtype):
     for k in ks:
         g, r = data(shape, seed=k + shape[0], dtype=dtype)
         want_idx, want_val, want_r, want_stats = np_select(g, r, k)
         res = nd(r)
-        idx, val, stats = impl.select_kernels(nd(g), res, k)
+        idx, val, stats = quant_impl.select_kernels(nd(g), res, k)
         width = int(np.prod(shape[1:]))
         assert idx.dtype == np.int32 and idx.shape == (k,)
         assert val.dtype == np.float32 and val.shape == (k, width)
@@ -274,7 +311,8 @@ def test_select_ties_lower_index_wins(impl):
     assert not val.asnumpy().any() and not stats.asnumpy().any()
 
 
-def test_select_nonfinite(impl):
+def test_select_nonfinite(quant_impl):
+    impl = quant_impl
     shape = (6, 2, 3)
     g, r = data(shape, seed=9)
     g[0, 0, 0] = 100.0  # row 0 chosen (largest norm) and holds a NaN
@@ -454,17 +492,16 @@ def test_cache_key_tracks_flags_and_compiler():
 
 
 @pytest.mark.parametrize("simd", [True, False])
-def test_multithreaded_kernels_match_numpy(simd):
-    """Arrays large enough for the C++ kernels to split work over threads."""
+def test_large_arrays_match_numpy(simd):
+    """Arrays of many 1024-element chunks, non-finite values far apart."""
     if FORCED_REFERENCE:
         pytest.skip("MXHYLO_OPS=reference")
     assert ops.backend() == "cpp"
     build.set_simd(simd)
-    shape = (600, 8, 8, 8)  # 307200 elements: several 64K-element blocks
+    shape = (600, 8, 8, 8)  # 307200 elements
     g, r = data(shape, seed=42, scale=0.01)
     g[1, 0, 0, 0] = np.nan
-    g[590, 7, 7, 7] = np.inf  # in the second thread's range
-    ops.set_num_threads(2)
+    g[590, 7, 7, 7] = np.inf
     try:
         res = nd(r)
         codes, stats = ops.quantize_2bit(nd(g), res, 0.004)
@@ -472,6 +509,8 @@ def test_multithreaded_kernels_match_numpy(simd):
         np.testing.assert_array_equal(codes.asnumpy(), want_codes)
         np.testing.assert_array_equal(bits(res.asnumpy()), bits(want_r))
         np.testing.assert_allclose(stats.asnumpy(), want_stats, rtol=1e-5)
+        assert bits(stats.asnumpy()[0]) == bits(np_l1_ordered(g, r))
+        assert stats.asnumpy()[1] == 2
         out = nd(np.ones(shape, F32))
         ops.dequantize_2bit(codes, 0.004, shape, out=out, accumulate=True)
         np.testing.assert_array_equal(out.asnumpy(), 1 + np_dequantize(want_codes, 0.004, shape))
@@ -489,5 +528,212 @@ def test_multithreaded_kernels_match_numpy(simd):
         want.reshape(600, -1)[want_idx] += want_val
         np.testing.assert_array_equal(out.asnumpy(), want)
     finally:
-        ops.set_num_threads(0)
         build.set_simd(True)
+
+
+# ------------------------------------------------------------ ISA levels
+def test_isa_levels_and_missing_features():
+    assert build.normalize_isa("baseline") == "x86-64"
+    assert build.normalize_isa("AVX2") == "x86-64-v3"
+    with pytest.raises(build.BuildError, match="unknown ISA level 'sse9'.*x86-64-v3"):
+        build.normalize_isa("sse9")
+    assert "-march=x86-64-v3" in build.flags("x86-64-v3")
+    assert "-march=native" in build.flags("native")
+    assert "-fopenmp" not in build.flags()  # no threads of ours between exchanges
+    avx2_only = {"sse2", "ssse3", "sse4_1", "sse4_2", "popcnt", "cx16", "lahf_lm", "pni", "abm",
+                 "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"}
+    assert build.missing_features("x86-64-v3", cpu=avx2_only) == []
+    assert build.missing_features("x86-64-v4", cpu=avx2_only) == [
+        "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"]
+    assert build.missing_features("x86-64-v3", cpu={"sse2"})[:3] == ["cx16", "lahf_lm", "popcnt"]
+    assert build.missing_features("native", cpu=set()) == []
+    # the key follows the level; only native builds are tied to the CPU model
+    assert build.cache_key(["g++"], build.flags("x86-64")) != build.cache_key(
+        ["g++"], build.flags("x86-64-v3"))
+
+
+def test_level_the_cpu_lacks_is_refused_by_name(tmp_path):
+    out = run_python("""
+        import warnings
+        from mxhylo.ops import build
+        import mxhylo.ops as ops
+        build.cpu_flags = lambda: {"sse2", "avx"}   # a CPU without AVX2
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert ops.backend() == "reference"
+        print("WARNING:", [str(w.message) for w in caught if "mxhylo" in str(w.message)][0])
+    """, MXHYLO_ISA="x86-64-v3", MXHYLO_BUILD_DIR=str(tmp_path))
+    assert "x86-64-v3 needs CPU features this CPU lacks: " in out and "avx2" in out, out
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".so")]  # nothing compiled
+
+
+ISA_CHILD = """
+import sys
+sys.path.insert(0, %r)
+import test_ops
+test_ops.isa_child(%r)
+"""
+
+
+def isa_inputs():
+    """name -> (op, args) of every cross-build case: random data and the edges."""
+    cases = {}
+    rng = np.random.RandomState(123)
+    for n in [1, 16, 17, 33, 1000, 1023, 1024, 1025, 4099, 70001]:
+        for dtype in (np.float32, np.float16):
+            g = (rng.randn(n) * rng.choice([0.01, 1.0])).astype(dtype)
+            r = (rng.randn(n) * 0.3).astype(F32)
+            if n >= 17:
+                g[rng.randint(0, n, 3)] = [np.nan, np.inf, -np.inf]
+            cases["q_%d_%s" % (n, np.dtype(dtype).name)] = ("quantize", g, r, 0.7)
+    cases["q_zeros"] = ("quantize", np.zeros(40, F32), np.zeros(40, F32), 1.0)
+    cases["q_negzeros"] = ("quantize", -np.zeros(33, F32), -np.zeros(33, F32), 1.0)
+    g = np.array([1e30, -1e30, 1e-30, 1.5e38, -1.5e38, 3e38, 1.0, -0.0, 1e-45], F32)
+    cases["q_large"] = ("quantize", g, np.array([1e30, 0, 0, 0, 0, 3e38, -1, 0, 0], F32), 1e29)
+    cases["q_tiny_t"] = ("quantize", (rng.randn(77) * 1e-38).astype(F32), np.zeros(77, F32),
+                         1e-40)
+    every_half = np.arange(65536, dtype=np.uint16).view(np.float16).copy()  # incl. NaN, Inf
+    cases["q_every_half"] = ("quantize", every_half, (rng.randn(65536) * 0.1).astype(F32), 0.05)
+    cases["q_all_nan"] = ("quantize", np.full(19, np.nan, F32), np.ones(19, F32), 0.5)
+    for n in [1, 17, 33, 1000, 4099]:
+        codes = rng.randint(-2 ** 31, 2 ** 31 - 1, size=-(-n // 16), dtype=np.int64)
+        cases["d_%d" % n] = ("dequantize", codes.astype(np.int32), rng.randn(n).astype(F32), 0.25)
+    for shape, k in [((5, 3, 3, 3), 2), ((1, 1, 1, 1), 1), ((7, 1), 3), ((64, 33), 10),
+                     ((10, 4, 1, 1), 4), ((300, 17), 30), ((9, 2304), 0), ((6, 2, 3), 2)]:
+        for dtype in (np.float32, np.float16):
+            g = rng.randn(*shape).astype(dtype)
+            r = (rng.randn(*shape) * 0.3).astype(F32)
+            if g.size >= 17:
+                flat = g.reshape(-1)
+                flat[rng.randint(0, flat.size, 2)] = [np.nan, -np.inf]
+            cases["s_%s_%s" % ("x".join(map(str, shape)), np.dtype(dtype).name)] = (
+                "select", g, r, k)
+    return cases
+
+
+def isa_child(path):
+    """Run every isa_inputs() case through this process's build; save the outputs."""
+    out = {"build_info": np.array(repr(build.build_info()))}
+    assert ops.backend() == "cpp"
+    for name, (op, x, y, p) in isa_inputs().items():
+        if op == "quantize":
+            res = nd(y)
+            codes, stats = ops.quantize_2bit(nd(x), res, p)
+            out[name + "/codes"] = codes.asnumpy()
+            out[name + "/residual"] = res.asnumpy()
+            out[name + "/stats"] = stats.asnumpy()
+            out[name + "/l1_stats"] = ops.l1_stats(nd(x), nd(y)).asnumpy()
+        elif op == "dequantize":
+            n = y.size
+            out[name + "/decoded"] = ops.dequantize_2bit(nd(x), p, (n,)).asnumpy()
+            acc = nd(y)
+            ops.dequantize_2bit(nd(x), p * 3, (n,), out=acc, accumulate=True)
+            out[name + "/accumulated"] = acc.asnumpy()
+        else:
+            res = nd(y)
+            idx, val, stats = ops.select_kernels(nd(x), res, p)
+            out[name + "/indices"] = idx.asnumpy()
+            out[name + "/values"] = val.asnumpy()
+            out[name + "/residual"] = res.asnumpy()
+            out[name + "/stats"] = stats.asnumpy()
+            out[name + "/scattered"] = ops.scatter_kernels(idx, val, x.shape).asnumpy()
+            acc = nd(y)
+            ops.scatter_kernels(idx, val, x.shape, out=acc, accumulate=True)
+            out[name + "/accumulated"] = acc.asnumpy()
+    np.savez(path, **out)
+
+
+ISA_LEVELS = ["native", "x86-64-v3", "x86-64"]
+
+
+@pytest.fixture(scope="module")
+def isa_outputs(tmp_path_factory):
+    """isa -> outputs of isa_child (dict), or the reason the level cannot run here.
+
+    One subprocess per level, started together (the first run compiles each level,
+    about 10 s; later runs find the libraries cached)."""
+    if FORCED_REFERENCE:
+        pytest.skip("MXHYLO_OPS=reference")
+    tmp = tmp_path_factory.mktemp("isa")
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    procs, results = {}, {}
+    for isa in ISA_LEVELS:
+        missing = build.missing_features(isa)
+        if missing:
+            results[isa] = "the %s build needs CPU features this CPU lacks: %s" % (
+                isa, ", ".join(missing))
+            continue
+        env = {k: v for k, v in os.environ.items() if k != "MXHYLO_OPS"}
+        env.update(MXHYLO_ISA=isa, MXHYLO_OPS="cpp")
+        path = str(tmp / ("%s.npz" % isa))
+        procs[isa] = (path, subprocess.Popen(
+            [sys.executable, "-c", ISA_CHILD % (tests_dir, path)], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    for isa, (path, proc) in procs.items():
+        log = proc.communicate(timeout=600)[0].decode(errors="replace")
+        assert proc.returncode == 0, "%s build: %s" % (isa, log[-3000:])
+        with np.load(path) as f:
+            results[isa] = {k: f[k] for k in f.files}
+    return results
+
+
+def _level(isa_outputs, isa):
+    got = isa_outputs[isa]
+    if isinstance(got, str):
+        pytest.skip(got)
+    return got
+
+
+def test_native_build_matches_numpy(isa_outputs):
+    """The subprocess harness itself checked against the oracle (so an agreement
+    between builds cannot be an agreement on nothing)."""
+    out = _level(isa_outputs, "native")
+    checked = 0
+    for name, (op, x, y, p) in isa_inputs().items():
+        if op == "quantize":
+            codes, r_new, stats = np_quantize(x, y, p)
+            np.testing.assert_array_equal(out[name + "/codes"], codes, err_msg=name)
+            np.testing.assert_array_equal(bits(out[name + "/residual"]), bits(r_new),
+                                          err_msg=name)
+            assert bits(out[name + "/stats"][0]) == bits(np_l1_ordered(x, y)), name
+            assert bits(out[name + "/l1_stats"][0]) == bits(np_l1_ordered(x, y)), name
+            assert out[name + "/stats"][1] == stats[1], name
+        elif op == "dequantize":
+            np.testing.assert_array_equal(bits(out[name + "/decoded"]),
+                                          bits(np_dequantize(x, p, (y.size,))), err_msg=name)
+        else:
+            idx, val, r_new, stats = np_select(x, y, p)
+            np.testing.assert_array_equal(out[name + "/indices"][:p], idx, err_msg=name)
+            np.testing.assert_array_equal(bits(out[name + "/residual"]), bits(r_new),
+                                          err_msg=name)
+        checked += 1
+    assert checked == len(isa_inputs()) > 40
+
+
+@pytest.mark.parametrize("isa", ["x86-64-v3", "x86-64"])
+def test_isa_builds_agree_bitwise(isa_outputs, isa):
+    """Every output of the level's build is bitwise the native build's."""
+    native = _level(isa_outputs, "native")
+    other = _level(isa_outputs, isa)
+    info = eval(str(other.pop("build_info")))  # noqa: S307 (our own repr of a dict)
+    native = dict(native)
+    native.pop("build_info")
+    assert info["isa"] == isa and not info["openmp"]
+    assert info["avx2"] == (isa == "x86-64-v3") and not info["avx512f"]
+    assert sorted(other) == sorted(native)
+    differ = [k for k in native if native[k].tobytes() != other[k].tobytes()
+              or native[k].dtype != other[k].dtype or native[k].shape != other[k].shape]
+    assert not differ, "%s differs from native in %s" % (isa, differ[:10])
+
+
+def test_avx2_build_has_no_avx512(isa_outputs):
+    """On an AVX-512 machine the x86-64-v3 library must really be the AVX2 path."""
+    import shutil
+    _level(isa_outputs, "x86-64-v3")  # built and run above (or skipped with the reason)
+    if not shutil.which("objdump"):
+        pytest.skip("objdump is not installed")
+    path = build.build("x86-64-v3")
+    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", path], stdout=subprocess.PIPE,
+                         check=True).stdout.decode()
+    assert "%ymm" in asm  # AVX2 code is there ...
+    assert "%zmm" not in asm and "%k1" not in asm  # ... and no AVX-512 register

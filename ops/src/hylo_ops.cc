@@ -61,23 +61,19 @@ int g_simd = 1;
 // ---------------------------------------------------------------- helpers
 inline bool is_finite(float a) { return std::fabs(a) <= FLT_MAX; }  // false for NaN, Inf
 
-// IEEE half -> float, exact (used when the compiler has no F16C).
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  const uint32_t man = h & 0x3ffu;
-  uint32_t bits;
-  if (exp == 0x1fu) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112u) << 23) | (man << 13);
-  } else {
-    const float f = static_cast<float>(man) * 5.9604644775390625e-08f;  // man * 2^-24, exact
-    return sign ? -f : f;
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
+// IEEE half -> float bits, exact, branch-free (so GCC vectorizes the loop
+// below on targets without F16C). F16C gives the same float for every half
+// except that it quiets a signalling NaN; NaN grads never reach an output.
+inline uint32_t half_to_float_bits(uint16_t h) {
+  const int32_t em = h & 0x7fff;                 // exponent and mantissa
+  const int32_t sign = (h & 0x8000) << 16;
+  const int32_t normal = (em << 13) + 0x38000000;  // exponent rebiased by 127 - 15
+  const int32_t special = (em << 13) | 0x7f800000;  // Inf, NaN (payload kept)
+  const float sub = static_cast<float>(em) * 5.9604644775390625e-08f;  // em * 2^-24, exact
+  int32_t subbits;
+  std::memcpy(&subbits, &sub, sizeof(subbits));
+  const int32_t bits = em >= 0x7c00 ? special : (em >= 0x0400 ? normal : subbits);
+  return static_cast<uint32_t>(bits | sign);
 }
 
 // Gradient elements as float32: float32 data is used in place, float16 is
@@ -91,7 +87,10 @@ inline const float* as_float(const uint16_t* g, int64_t m, float* buf) {
     _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(h));
   }
 #endif
-  for (; i < m; ++i) buf[i] = half_to_float(g[i]);
+  for (; i < m; ++i) {
+    const uint32_t bits = half_to_float_bits(g[i]);
+    std::memcpy(buf + i, &bits, sizeof(bits));
+  }
   return buf;
 }
 
