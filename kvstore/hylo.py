@@ -33,6 +33,7 @@ import mxnet as mx
 import numpy as np
 from mxnet.kvstore import KVStoreBase
 
+from . import momentum as momentum_correction
 from .compressors import make_compressors
 from .memory import ResidualMemory
 from .policy import LayerPolicy, compress_pull_mode
@@ -75,13 +76,18 @@ class Hylo(KVStoreBase):
       policy: dict of name regex -> 'conv_topk' | 'fc_2bit' | 'none', tried in order.
       max_conv_rate, min_conv_rate: bounds of the adaptive conv rate.
       threshold_scale: the 2-bit threshold is this times mean |gradient + residual|.
-      compress_pull: how the servers return compressed layers' aggregates: True /
-        'layer' (with the layer's own codec family: a conv layer's k largest filters, an
-        fc layer's 2-bit codes; the servers keep what they do not send in residuals of
-        their own), '2bit' (every compressed layer's aggregate as 2-bit), or False
-        (dense float32, Hylo as published). The default 'auto' is 'layer' over the
+      compress_pull: how the servers return compressed layers' aggregates: 'gather'
+        (the workers' own payloads, gathered: exact, about W times the pushed bytes),
+        True / 'layer' (re-compressed with the layer's own codec family, the servers
+        keeping what they do not send in residuals of their own: fewest bytes, slower
+        convergence), '2bit' (every compressed layer's aggregate as 2-bit), or False
+        (dense float32, Hylo as published). The default 'auto' is 'gather' over the
         parameter server and False in one process, where there is no pull to save
-        (README, "Compressed pull", says why 'layer'); kvstore.policy.compress_pull_mode.
+        (README, "Accuracy", says why); kvstore.policy.compress_pull_mode.
+      momentum_correction: 'auto' (default: on when a gluon.Trainer with MXNet's 'sgd'
+        optimizer and momentum > 0 drives the store), True (the same, and an error if
+        the Trainer's optimizer is not such), False (plain error feedback, Hylo as
+        published); see kvstore.momentum.
       transport: 'auto' (the parameter server when this process is an MXNet worker,
         DMLC_ROLE=worker; in-process otherwise), 'local' or 'ps'.
       chunk_elements, bucket_bytes: parameter-server transport options (largest piece
@@ -91,7 +97,7 @@ class Hylo(KVStoreBase):
 
     def __init__(self, size_threshold=8192, conv_rate=None, policy=None, max_conv_rate=0.1,
                  min_conv_rate=0.01, threshold_scale=1.0, compress_pull="auto",
-                 transport="auto", **transport_options):
+                 momentum_correction="auto", transport="auto", **transport_options):
         self.policy = LayerPolicy(size_threshold=size_threshold, conv_rate=conv_rate,
                                   policy=policy, max_conv_rate=max_conv_rate,
                                   min_conv_rate=min_conv_rate, threshold_scale=threshold_scale)
@@ -99,6 +105,11 @@ class Hylo(KVStoreBase):
         if transport == "auto":
             transport = "ps" if os.environ.get("DMLC_ROLE") == "worker" else "local"
         self.compress_pull = compress_pull_mode(compress_pull, distributed=transport == "ps")
+        if momentum_correction not in ("auto", True, False):
+            raise ValueError("momentum_correction must be 'auto', True or False, got %r"
+                             % (momentum_correction,))
+        self.momentum_correction = momentum_correction
+        self._momentum = None     # MomentumContext during a Trainer's step, else None
         self.memory = ResidualMemory()
         self.traffic = TrafficStats()
         self._layers = {}
@@ -184,12 +195,21 @@ class Hylo(KVStoreBase):
         aggregates = self._aggregate_into(layers, values, outs)
         encoded = []
 
+        corrected = [self._momentum is not None and layer.plan.strategy != "none"
+                     for layer in layers]
+
         def encode_each():                                  # 1. reduce, 2. encode
             # a generator: the transport pushes each layer as soon as it is encoded
-            for layer, vals, agg in zip(layers, values, aggregates):
+            for layer, vals, agg, mc in zip(layers, values, aggregates, corrected):
                 clock = time.perf_counter()
                 grad = self._reduce(vals)
+                if mc:      # the codec sends velocity (kvstore.momentum)
+                    grad = momentum_correction.accumulate(layer.plan.name, grad,
+                                                          self.memory, self._momentum)
                 payload = layer.compressor.encode(layer.plan, grad, self.memory)
+                if mc:
+                    momentum_correction.mask_sent(layer.plan.name, grad, payload,
+                                                  layer.compressor, self.memory)
                 self.traffic.time("encode", clock)
                 encoded.append((layer, payload))
                 yield layer, payload, agg
@@ -199,6 +219,10 @@ class Hylo(KVStoreBase):
         for (layer, _), (pushed, pulled, per_server, messages) in zip(encoded, traffic):
             self.traffic.record(layer.plan, pushed, pulled, messages, per_server)
         clock = self.traffic.time("exchange", clock)
+        for layer, agg, mc in zip(layers, aggregates, corrected):
+            if mc:
+                momentum_correction.correct(layer.plan.name, agg, self.memory,
+                                            self._momentum)
         for agg in aggregates:
             agg.wait_to_read()
         clock = self.traffic.time("wait", clock)
@@ -250,8 +274,24 @@ class Hylo(KVStoreBase):
         if key not in keys:     # not a dense gradient of the Trainer: exchange it alone
             keys = [key]
         grads = [trainer._params[i].list_grad() for i in keys]
-        self.pushpull(keys, grads)
+        self._momentum = self._momentum_context(trainer)
+        try:
+            self.pushpull(keys, grads)
+        finally:
+            self._momentum = None
         self._done_in_step = set(keys) - {key}
+
+    def _momentum_context(self, trainer):
+        """The MomentumContext of this step, or None (see the momentum_correction option)."""
+        if self.momentum_correction is False:
+            return None
+        ctx = momentum_correction.from_optimizer(trainer._optimizer)
+        if ctx is None and self.momentum_correction is True:
+            raise ValueError("momentum_correction=True needs a Trainer with MXNet's 'sgd' "
+                             "optimizer and momentum > 0; this one has %s (momentum %r)"
+                             % (type(trainer._optimizer).__name__,
+                                getattr(trainer._optimizer, "momentum", None)))
+        return ctx
 
     # -- hylo's own API ------------------------------------------------------------------
 
@@ -261,7 +301,8 @@ class Hylo(KVStoreBase):
         rate, bytes (pushed in all), last_bytes (last step), dense_bytes, ratio."""
         out = self.traffic.as_dict()
         out.update(type=self.type, rank=self.rank, num_workers=self.num_workers,
-                   options=dict(self.policy.options(), compress_pull=self.compress_pull))
+                   options=dict(self.policy.options(), compress_pull=self.compress_pull,
+                                momentum_correction=self.momentum_correction))
         return out
 
     def plans(self):

@@ -147,28 +147,37 @@ class LayerPolicy:
 def compress_pull_mode(value, distributed=True):
     """Normalise the compress_pull option.
 
-    False / None / 'off': the aggregate comes back dense float32 (Hylo as published);
-    True / 'layer': compressed with the codec of the layer's own family (conv_topk
-    layers' aggregates as top-k filters at the layer's rate, fc_2bit layers' as 2-bit);
-    '2bit': every compressed layer's aggregate as 2-bit; 'auto': 'layer' when
-    ``distributed`` (over the parameter server), off in one process (nothing to save).
-    Returns None, 'layer' or '2bit'.
+    'gather' (what 'auto' means over the parameter server): the servers return the
+    workers' own compressed payloads, gathered (a conv layer's filters that any worker
+    sent, summed; an fc layer's W 2-bit slots), and every worker decodes them: the
+    aggregate is exactly the dense pull's, for about W times the pushed bytes.
+    False / None / 'off': the aggregate comes back dense float32 (Hylo as published;
+    'auto' in one process, where there is no pull to save);
+    True / 'layer': re-compressed by the servers with the codec of the layer's own
+    family (conv_topk layers' aggregates as top-k filters at the layer's rate, fc_2bit
+    layers' as 2-bit), the rest kept in server-side residuals: the fewest bytes, but
+    a second error-feedback delay that slows convergence per step (README, "Accuracy");
+    '2bit': every compressed layer's aggregate as 2-bit, the same way.
+    Returns None, 'gather', 'layer' or '2bit'.
     """
     if value == "auto":
-        return "layer" if distributed else None
+        return "gather" if distributed else None
     if value is None or value is False or value == "off":
         return None
     if value is True or value == "layer":
         return "layer"
-    if value == "2bit":
-        return "2bit"
-    raise ValueError("compress_pull must be 'auto', False, True, 'off', 'layer' or '2bit', "
-                     "got %r" % (value,))
+    if value in ("2bit", "gather"):
+        return value
+    raise ValueError("compress_pull must be 'auto', 'gather', False, 'off', True, 'layer' "
+                     "or '2bit', got %r" % (value,))
 
 
 def pull_codec(strategy, mode):
-    """Codec of a layer's pull: 'dense', 'fc_2bit' or 'conv_topk'. Layers pushed
-    uncompressed ('none') are pulled dense: they are small, latency not bandwidth."""
+    """Codec of a layer's pull: 'dense', 'gather', 'fc_2bit' or 'conv_topk'. Layers
+    pushed uncompressed ('none') are pulled dense: they are small, latency not
+    bandwidth."""
     if mode is None or strategy == "none":
         return "dense"
+    if mode == "gather":
+        return "gather"
     return "fc_2bit" if mode == "2bit" else strategy

@@ -7,8 +7,8 @@ update for every key once all workers have pushed it, with the summed pushes as 
 gradient and the stored array as the weight. ``ServerDecoder`` is such an optimizer:
 it carries the wire layout of every key (kvstore.wire) and, instead of updating
 weights, writes into the stored array what the workers pull: the dense float32
-aggregate, or, for a chunk with a compressed pull, the aggregate encoded by
-``PullEncoder`` (server-side error feedback: what is not sent stays in the server's
+aggregate, the workers' payloads gathered (pull 'gather', exact), or, for a chunk
+with a re-compressed pull, the aggregate encoded by ``PullEncoder`` (server-side error feedback: what is not sent stays in the server's
 residual of that key and is added to the key's next aggregate).
 
 The same hook carries commands: a ServerDecoder with ``mode`` 'dump' makes the next
@@ -26,7 +26,7 @@ from .. import ops
 from .compressors import make_compressors
 from .memory import ResidualMemory
 from .policy import LayerPlan
-from .wire import pull_values, unpack_codes
+from .wire import gather_values, pull_values, unpack_codes
 
 log = logging.getLogger("mxhylo.server")
 
@@ -149,7 +149,7 @@ def aggregate_into(key, stored, received):
                "the hylo layout table" % key)
     name, layout = entry
     try:
-        if _MODE != "run" and layout.pull != "dense":
+        if _MODE != "run" and layout.stateful_pull:
             _dump_state(key, layout, stored) if _MODE == "dump" else \
                 _load_state(key, layout, received)
             return
@@ -158,6 +158,9 @@ def aggregate_into(key, stored, received):
             return
         if layout.kind == "probe":
             stored[:] = received * 2 + 1      # proves to the workers that we decode
+            return
+        if layout.pull == "gather":     # the payloads as they came, for every worker
+            _store_rows(stored, layout, gather_values(layout, received))
             return
         dense = _decode(key, name, layout, received)
         if layout.pull == "dense":

@@ -12,7 +12,7 @@ from .server import PullEncoder
 class LocalTransport:
     """Moves payloads between a worker and itself; see the module docstring.
 
-    compress_pull: None, 'layer' or '2bit' (kvstore.policy.compress_pull_mode);
+    compress_pull: None, 'gather', 'layer' or '2bit' (kvstore.policy.compress_pull_mode);
     threshold_scale: of the 2-bit codec that encodes pulls.
     """
     rank = 0
@@ -40,7 +40,9 @@ class LocalTransport:
             layer.compressor.decode(payload, out)
             codec = pull_codec(layer.plan.strategy, self.compress_pull)
             pulled = 4 * layer.plan.size
-            if codec != "dense":
+            if codec == "gather":     # one worker: its own payload, exactly as decoded
+                pulled = payload.nbytes
+            elif codec != "dense":
                 back = self.server.encode(layer.plan.name, codec, out, k=layer.plan.k)
                 self.server.compressors[codec].decode(back, out)
                 pulled = back.nbytes

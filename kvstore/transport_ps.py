@@ -23,8 +23,8 @@ import numpy as np
 from .compressors import make_compressors
 from .policy import pull_codec
 from .server import ServerDecoder
-from .wire import (DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, ChunkLayout, pack_codes,
-                   plan_chunks, pull_payload)
+from .wire import (DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, ChunkLayout, gather_payloads,
+                   pack_codes, plan_chunks, pull_payload)
 
 _ROW_ID_BYTES = 8       # row_sparse pushes and pulls carry int64 row ids
 DEFAULT_BUCKET_BYTES = 2 << 20     # = DEFAULT_CHUNK_ELEMENTS float32 values
@@ -184,7 +184,7 @@ class PSTransport:
                                  self.num_servers, self.chunk_elements,
                                  self.split_elements,
                                  pull=pull_codec(layer.plan.strategy, self.compress_pull),
-                                 pull_rate=layer.plan.rate):
+                                 pull_rate=layer.plan.rate, push_k=layer.plan.k):
             pskey, server = self._place(4 * chunk.size)
             chunk = dataclasses.replace(chunk, server=server)
             chunks.append((pskey, chunk))
@@ -283,6 +283,13 @@ class PSTransport:
             piece = flat[chunk.offset:chunk.offset + chunk.size]
             if chunk.pull == "dense":
                 piece[:] = rows[:chunk.size]
+            elif chunk.pull == "gather":
+                # decoded in rank order, as the server decodes a dense pull: bitwise equal
+                target = piece.reshape((chunk.rows_filters, chunk.cols)) \
+                    if chunk.kind == "topk" else piece
+                target[:] = 0
+                for payload in gather_payloads(chunk, rows.asnumpy()):
+                    self._codecs[payload.strategy].decode(payload, target, accumulate=True)
             else:
                 payload = pull_payload(chunk, rows.asnumpy())
                 self._codecs[payload.strategy].decode(payload, piece.reshape(payload.shape))
@@ -403,7 +410,7 @@ class PSTransport:
         """[(layer name, ps key, ChunkLayout)] of every chunk the servers encode."""
         return [(self._layouts[pskey][0], pskey, chunk)
                 for chunks in self._chunks.values() for pskey, chunk in chunks
-                if chunk.pull != "dense"]
+                if chunk.stateful_pull]
 
     def server_state(self):
         """The servers' residuals and thresholds, for a checkpoint (every worker calls

@@ -23,6 +23,13 @@ explicitly from row 0 (zero rows included: MXNet's dense-to-row_sparse conversio
 drop them, and its pull reads rows by position); a worker pulls rows [0, pull_rows):
 
 * ``pull='dense'``: the chunk's dense float32 aggregate, row-major (dense_rows rows);
+* ``pull='gather'`` (exact, no server state): the workers' payloads as the server's
+  sum gathered them. A ``2bit`` chunk: every worker's slot unchanged (rows [0,
+  W * slot_rows)), which each worker decodes in rank order, exactly as the server
+  would; a ``topk`` chunk: a header row block with the count u of filters any worker
+  sent, then their u indices, then those u summed filters (pull_k = min(filters,
+  W * k) rows are pulled; rows past u are zeros). The decoded aggregate is bitwise
+  the dense pull's.
 * compressed pull (kvstore.server encodes the aggregate with its own residual):
   ``'fc_2bit'``: the threshold, then the int32 code words' raw bits (nothing adds to
   a pulled value, so raw bits travel unchanged); ``'conv_topk'``: header rows with the
@@ -39,7 +46,7 @@ import numpy as np
 
 from .compressors import Payload
 
-PULL_CODECS = ("dense", "fc_2bit", "conv_topk")
+PULL_CODECS = ("dense", "gather", "fc_2bit", "conv_topk")
 
 # Largest chunk, in gradient elements. MXNet splits keys of 1e6 elements or more over
 # all servers by row ranges, which would cut workers' slots apart; hylo cuts large
@@ -59,9 +66,10 @@ class ChunkLayout:
     decodes); lo, hi: the piece, in elements of the flat layer
     for dense and 2bit, in filters for topk; size: elements of the piece; cols: row
     width; rows: rows of the key; slot_rows: rows per worker's slot
-    (2bit); dense_rows: rows of the dense aggregate; server: index of the server;
+    (2bit); slots: workers' slots (2bit); dense_rows: rows of the dense aggregate;
+    server: index of the server;
     pull: how the aggregate comes back (PULL_CODECS); pull_k: filters pulled per step
-    (pull='conv_topk').
+    (pull='conv_topk', or at most that many with pull='gather').
     """
     kind: str
     lo: int
@@ -74,6 +82,7 @@ class ChunkLayout:
     server: int = 0
     pull: str = "dense"
     pull_k: int = 0
+    slots: int = 0
 
     @property
     def offset(self):
@@ -90,8 +99,17 @@ class ChunkLayout:
         return self.hi - self.lo
 
     @property
+    def stateful_pull(self):
+        """Whether the server keeps a residual for this chunk's pull (checkpoints)."""
+        return self.pull in ("fc_2bit", "conv_topk")
+
+    @property
     def pull_rows(self):
         """Rows a worker pulls: the compressed aggregate, or the dense one."""
+        if self.pull == "gather":
+            if self.kind == "2bit":
+                return self.slots * self.slot_rows
+            return -(-(1 + self.pull_k) // self.cols) + self.pull_k
         if self.pull == "fc_2bit":
             return -(-(1 + -(-self.size // 16)) // self.cols)
         if self.pull == "conv_topk":
@@ -133,12 +151,14 @@ def _pieces(n, chunk_elements, num_servers, split_min, unit, wire_fraction=1.0):
 
 def plan_chunks(strategy, shape, num_workers, num_servers=1,
                 chunk_elements=DEFAULT_CHUNK_ELEMENTS, split_min=DEFAULT_SPLIT_MIN,
-                pull="dense", pull_rate=None):
+                pull="dense", pull_rate=None, push_k=None):
     """Split a layer into ChunkLayouts (server not yet assigned).
 
     pull: codec of the way back (PULL_CODECS; 'dense' for strategy 'none');
-    pull_rate: fraction of a chunk's filters pulled with pull='conv_topk'. A chunk
-    whose compressed pull would not be smaller than its dense aggregate pulls dense.
+    pull_rate: fraction of a chunk's filters pulled with pull='conv_topk';
+    push_k: filters each worker pushes per step (conv_topk), which bounds a 'gather'
+    pull to num_workers * push_k filters. A chunk whose compressed pull would not be
+    smaller than its dense aggregate pulls dense.
     """
     if pull not in PULL_CODECS:
         raise ValueError("pull codec must be one of %s, got %r" % (PULL_CODECS, pull))
@@ -147,8 +167,8 @@ def plan_chunks(strategy, shape, num_workers, num_servers=1,
         per_filter = n // shape[0]
         # the larger direction on the wire: pushes carry about ``rate`` of the filters
         # (up to the maximum rate, 0.1); pulls the same, 1/16 (2-bit) or everything
-        pull_fraction = {"dense": 1.0, "fc_2bit": 1.0 / 16,
-                         "conv_topk": pull_rate or 1.0}[pull]
+        pull_fraction = {"dense": 1.0, "fc_2bit": 1.0 / 16, "conv_topk": pull_rate or 1.0,
+                         "gather": min(1.0, num_workers * (pull_rate or 0.1))}[pull]
         wire_fraction = max(pull_fraction, pull_rate or 0.1)
         layouts = [ChunkLayout("topk", lo // per_filter, hi // per_filter, hi - lo,
                                cols=per_filter, rows=(hi - lo) // per_filter,
@@ -168,11 +188,12 @@ def plan_chunks(strategy, shape, num_workers, num_servers=1,
             dense_rows = -(-size // cols)
             layouts.append(ChunkLayout("2bit", lo, hi, size, cols=cols,
                                        rows=max(num_workers * slot_rows, dense_rows),
-                                       slot_rows=slot_rows, dense_rows=dense_rows))
-    return [_with_pull(c, pull, pull_rate) for c in layouts]
+                                       slot_rows=slot_rows, dense_rows=dense_rows,
+                                       slots=num_workers))
+    return [_with_pull(c, pull, pull_rate, num_workers * (push_k or 0)) for c in layouts]
 
 
-def _with_pull(chunk, pull, pull_rate):
+def _with_pull(chunk, pull, pull_rate, gather_k=0):
     if pull == "dense":
         return chunk
     filters = chunk.hi - chunk.lo
@@ -181,9 +202,14 @@ def _with_pull(chunk, pull, pull_rate):
         if chunk.kind != "topk":
             raise ValueError("a conv_topk pull needs a conv_topk layer, got %s" % chunk.kind)
         pull_k = min(filters, max(1, int(round(pull_rate * filters))))
+    if pull == "gather" and chunk.kind == "topk":
+        # every worker sends at most push_k filters, all of which may fall in one chunk
+        pull_k = min(filters, max(1, gather_k))
     compressed = dataclasses.replace(chunk, pull=pull, pull_k=pull_k)
     if compressed.pull_rows >= chunk.dense_rows:
         return chunk
+    if not compressed.stateful_pull:
+        return compressed
     # the key also carries the server's state when a checkpoint asks for it
     return dataclasses.replace(compressed, rows=max(chunk.rows, compressed.state_rows))
 
@@ -221,6 +247,51 @@ def pull_payload(layout, values):
         return Payload("conv_topk", (layout.rows_filters, layout.cols),
                        (mx.nd.array(indices, dtype=np.int32), mx.nd.array(rows)))
     raise ValueError("chunk %s pulls its dense aggregate" % (layout,))
+
+
+def gather_values(layout, received):
+    """The server's side of a 'gather' pull: the summed pushes (row_sparse NDArray of
+    the key) -> what the workers pull, as an NDArray or numpy array of pull_rows rows."""
+    if layout.kind == "2bit":
+        # every worker pushed all rows of its slot: the sum lists rows 0 .. W*slot_rows-1
+        return received.data
+    indices = received.indices.asnumpy()
+    rows = received.data.asnumpy()
+    used = np.abs(rows).sum(axis=1) != 0  # a worker with no filter here pushed a zero row
+    indices, rows = indices[used], rows[used]
+    if len(indices) > layout.pull_k:
+        raise ValueError("key of %s: %d filters pushed, more than the %d a gather pull "
+                         "carries" % (layout, len(indices), layout.pull_k))
+    out = np.zeros(layout.pull_rows * layout.cols, np.float32)
+    out[0] = len(indices)
+    out[1:1 + len(indices)] = indices
+    head = -(-(1 + layout.pull_k) // layout.cols) * layout.cols
+    out[head:head + rows.size] = rows.reshape(-1)
+    return out
+
+
+def gather_payloads(layout, values):
+    """The workers' side of a 'gather' pull: pulled float32 values (pull_rows * cols,)
+    -> the Payloads whose decodes, accumulated in order, are the chunk's aggregate."""
+    if layout.kind == "2bit":
+        words = -(-layout.size // 16)
+        payloads = []
+        for w in range(layout.slots):
+            slot = values[w * layout.slot_rows * layout.cols:
+                          (w + 1) * layout.slot_rows * layout.cols]
+            codes = unpack_codes(slot[1:], words)
+            payloads.append(Payload("fc_2bit", (layout.size,),
+                                    (mx.nd.array(codes, dtype=np.int32),),
+                                    (float(slot[0]),)))
+        return payloads
+    count = int(values[0])
+    head = -(-(1 + layout.pull_k) // layout.cols) * layout.cols
+    indices = values[1:1 + count].astype(np.int32)
+    rows = values[head:head + count * layout.cols].reshape(count, layout.cols)
+    if count == 0:
+        return []
+    return [Payload("conv_topk", (layout.rows_filters, layout.cols),
+                    (mx.nd.array(indices, dtype=np.int32), mx.nd.array(rows)))]
 
 
 def pack_codes(codes_u8):

@@ -217,7 +217,7 @@ def test_plan_chunks_pull_errors_and_unchanged_layout():
 
 @pytest.mark.parametrize("value,mode", [(False, None), (None, None), ("off", None),
                                         (True, "layer"), ("layer", "layer"),
-                                        ("2bit", "2bit")])
+                                        ("2bit", "2bit"), ("gather", "gather")])
 def test_compress_pull_mode_normalises(value, mode):
     assert compress_pull_mode(value) == mode
     kv = mxhylo.create(compress_pull=value)
@@ -237,7 +237,9 @@ def test_pull_codec_table():
     table = {("none", None): "dense", ("conv_topk", None): "dense", ("fc_2bit", None): "dense",
              ("none", "layer"): "dense", ("conv_topk", "layer"): "conv_topk",
              ("fc_2bit", "layer"): "fc_2bit", ("none", "2bit"): "dense",
-             ("conv_topk", "2bit"): "fc_2bit", ("fc_2bit", "2bit"): "fc_2bit"}
+             ("conv_topk", "2bit"): "fc_2bit", ("fc_2bit", "2bit"): "fc_2bit",
+             ("none", "gather"): "dense", ("conv_topk", "gather"): "gather",
+             ("fc_2bit", "gather"): "gather"}
     for (strategy, mode), codec in table.items():
         assert pull_codec(strategy, mode) == codec, (strategy, mode)
 
@@ -755,8 +757,61 @@ def test_distributed_compressed_pull(tmp_path, mode):
     assert reports[0]["bytes_pulled"] == reports[1]["bytes_pulled"]
 
 
+def test_gather_pull_equals_the_dense_pull_bitwise(tmp_path):
+    """'gather' returns the workers' payloads as the server summed them: what every
+    worker decodes is bitwise the dense pull's aggregate, and no server keeps state."""
+    runs = {}
+    for mode in ("gather", "off"):
+        proc, out = launch_keys_worker(tmp_path, "pull:" + mode)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs[mode] = ([dict(np.load(out.format(rank=r) + ".npz")) for r in range(2)],
+                      [json.load(open(out.format(rank=r))) for r in range(2)])
+    (gather, g_reports), (dense, d_reports) = runs["gather"], runs["off"]
+    for name in DIST_SHAPES:
+        for key in ("got/", "last/"):
+            np.testing.assert_array_equal(gather[0][key + name], dense[0][key + name],
+                                          err_msg=key + name)
+            np.testing.assert_array_equal(gather[1][key + name], gather[0][key + name],
+                                          err_msg=key + name)
+    assert not any(k.startswith("state/server_") for k in gather[0])
+    assert all(r["resumed"] for r in g_reports)
+    for g, d in zip(g_reports, d_reports):
+        # the same payloads (cut into chunks a little differently: placeholders differ)
+        assert abs(g["bytes_pushed"] - d["bytes_pushed"]) < 0.01 * d["bytes_pushed"]
+        # two workers' payloads come back: about twice the push, well under dense
+        assert g["bytes_pulled"] < 2.5 * g["bytes_pushed"], g
+        assert g["bytes_pulled"] < 0.6 * d["bytes_pulled"], (g, d)
+
+
+def test_gather_layout_round_trip():
+    """gather_values (server) and gather_payloads (workers) carry every worker's filters
+    and 2-bit slots exactly, padding and all."""
+    from mxhylo.kvstore.wire import gather_payloads, gather_values
+    conv = plan_chunks("conv_topk", (12, 3, 3, 3), 3, pull="gather", pull_rate=0.2,
+                       push_k=2)[0]
+    assert conv.pull == "gather" and conv.pull_k == 6
+    rows = np.arange(4, dtype=np.int64) * 3          # filters 0, 3, 6, 9 were sent
+    data = np.random.RandomState(0).normal(size=(4, 27)).astype(np.float32)
+    received = mx.nd.sparse.row_sparse_array((data, rows), shape=conv.key_shape)
+    values = gather_values(conv, received)
+    assert values.size == conv.pull_rows * conv.cols
+    (payload,) = gather_payloads(conv, values)
+    np.testing.assert_array_equal(payload.arrays[0].asnumpy(), rows)
+    np.testing.assert_array_equal(payload.arrays[1].asnumpy(), data)
+    fc = plan_chunks("fc_2bit", (40, 50), 3, pull="gather")[0]
+    assert fc.pull == "gather" and fc.slots == 3
+    slots = np.random.RandomState(1).randint(0, 1 << 20, size=(fc.slots * fc.slot_rows,
+                                                                 fc.cols)).astype(np.float32)
+    slots[::fc.slot_rows, 0] = [0.5, 0.25, 0.125]        # each worker's threshold
+    received = mx.nd.sparse.row_sparse_array(
+        (slots, np.arange(len(slots), dtype=np.int64)), shape=fc.key_shape)
+    payloads = gather_payloads(fc, gather_values(fc, received).asnumpy().reshape(-1))
+    assert [p.scalars[0] for p in payloads] == [0.5, 0.25, 0.125]
+    assert all(p.arrays[0].shape == (-(-fc.size // 16),) for p in payloads)
+
+
 def test_default_compresses_the_pull_only_over_the_parameter_server():
-    assert compress_pull_mode("auto", distributed=True) == "layer"
+    assert compress_pull_mode("auto", distributed=True) == "gather"
     assert compress_pull_mode("auto", distributed=False) is None
     kv = mxhylo.create()                      # in one process: nothing to save
     assert kv.compress_pull is None and kv.stats()["options"]["compress_pull"] is None

@@ -1,0 +1,82 @@
+"""Momentum correction (Lin et al., "Deep Gradient Compression", ICLR 2018) for layers
+whose gradients travel compressed with error feedback, under a momentum-SGD Trainer.
+
+Why: with error feedback alone, a filter or element that waits T steps in the residual
+arrives as the sum of T gradients, and only then does the Trainer's momentum start to
+spread it over the next 1/(1 - m) steps: its effect comes late and in one burst. On
+conv nets at common learning rates that burst is what made compressed training fall
+behind dense per step or collapse (README, "Accuracy"). DGC's remedy, done here:
+
+* each worker keeps a velocity per compressed layer, ``u <- m * u + g``, and the codec
+  compresses ``u`` (plus the residual) instead of ``g``: what leaves is momentum the
+  dense run would already have applied;
+* factor masking: where a value was sent, ``u`` is zeroed, so it is not sent again;
+* the sum of the workers' sent velocities must reach the weights as a plain SGD step,
+  not through the Trainer's momentum a second time. The store does not touch the
+  optimizer; it hands it ``agg_t - m * (c_{t-1} / c_t) * agg_{t-1}`` instead of
+  ``agg_t`` (``c`` the optimizer's rescale_grad): the optimizer's momentum buffer
+  then telescopes to exactly ``-lr * c_t * agg_t`` for the gradient part (weight decay
+  keeps its usual momentum). Exact for MXNet's SGD while the learning rate is
+  constant; at a change of learning rate the buffer carries a one-off difference
+  that decays with the momentum. Gradient clipping in the optimizer sees the
+  corrected values, not the raw sums.
+
+Used with gluon.Trainer's 'sgd' optimizer (momentum > 0); not with other optimizers
+(LARS rescales per layer from the gradient's norm, Adam keeps its own moments), where
+the store sends plain gradients. State (velocity, previous aggregate, previous
+rescale) lives in the layer's ResidualMemory, so it is part of checkpoints.
+"""
+from dataclasses import dataclass
+
+import mxnet as mx
+import numpy as np
+
+
+@dataclass(frozen=True)
+class MomentumContext:
+    """What the store knows of the optimizer for this step.
+
+    momentum: the optimizer's momentum coefficient m; rescale: its rescale_grad c_t.
+    """
+    momentum: float
+    rescale: float
+
+
+def from_optimizer(optimizer):
+    """The MomentumContext of a Trainer's optimizer, or None where correction does not
+    apply (not MXNet's SGD, or no momentum)."""
+    if type(optimizer) is not mx.optimizer.SGD:      # subclasses may update otherwise
+        return None
+    momentum = float(getattr(optimizer, "momentum", 0.0) or 0.0)
+    if momentum <= 0.0:
+        return None
+    return MomentumContext(momentum, float(optimizer.rescale_grad))
+
+
+def accumulate(name, grad, memory, ctx):
+    """The velocity ``m * u + grad`` (a new float32 NDArray) of layer ``name``; ``u``
+    itself changes only in :func:`mask_sent`, after a successful encode."""
+    u = memory.array(name, "velocity", grad)
+    g = grad if grad.dtype == np.float32 else grad.astype(np.float32)
+    return u * ctx.momentum + g
+
+
+def mask_sent(name, velocity, payload, compressor, memory):
+    """Factor masking: the layer's velocity becomes ``velocity`` with every sent element
+    zeroed (decoded payload != 0)."""
+    sent = mx.nd.zeros(velocity.shape, ctx=velocity.context, dtype=np.float32)
+    compressor.decode(payload, sent)
+    u = memory.array(name, "velocity", velocity)
+    u[:] = velocity * (sent == 0)
+
+
+def correct(name, aggregate, memory, ctx):
+    """Rewrite ``aggregate`` (float32 NDArray, the workers' summed velocities) in place
+    into what the optimizer must receive, and remember it for the next step."""
+    previous = memory.array(name, "previous_aggregate", aggregate)
+    last_rescale = memory.scalar(name, "previous_rescale")
+    raw = aggregate.copy()
+    if last_rescale is not None:
+        aggregate[:] = aggregate - previous * (ctx.momentum * last_rescale / ctx.rescale)
+    previous[:] = raw
+    memory.set_scalar(name, "previous_rescale", ctx.rescale)
