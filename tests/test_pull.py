@@ -798,7 +798,7 @@ def test_gather_layout_round_trip():
     (payload,) = gather_payloads(conv, values)
     np.testing.assert_array_equal(payload.arrays[0].asnumpy(), rows)
     np.testing.assert_array_equal(payload.arrays[1].asnumpy(), data)
-    fc = plan_chunks("fc_2bit", (40, 50), 3, pull="gather")[0]
+    fc = plan_chunks("fc_2bit", (200, 100), 3, pull="gather")[0]
     assert fc.pull == "gather" and fc.slots == 3
     slots = np.random.RandomState(1).randint(0, 1 << 20, size=(fc.slots * fc.slot_rows,
                                                                  fc.cols)).astype(np.float32)
