@@ -6,16 +6,22 @@ the project is made on these images.
 import numpy as np
 
 
-def load_digits(test_fraction=0.25, seed=0):
+def load_digits(test_fraction=0.25, seed=0, size=8, channels=1):
     """Return (x_train, y_train, x_test, y_test).
 
-    x: float32 array (N, 1, 8, 8) scaled to [0, 1]; y: float32 array (N,) of class ids.
-    The split is stratified-free but deterministic for a given ``seed``.
+    x: float32 array (N, channels, size, size) scaled to [0, 1] (size > 8: bilinear
+    upscaling; channels > 1: the grey image repeated); y: float32 array (N,) of class
+    ids. The split is stratified-free but deterministic for a given ``seed``.
     """
     from sklearn.datasets import load_digits as _sk_digits
 
     digits = _sk_digits()
-    x = (digits.images.astype(np.float32) / 16.0)[:, None, :, :]
+    images = digits.images.astype(np.float32) / 16.0
+    if size != 8:
+        import cv2
+        images = np.stack([cv2.resize(im, (size, size), interpolation=cv2.INTER_LINEAR)
+                           for im in images])
+    x = np.repeat(images[:, None, :, :], channels, axis=1)
     y = digits.target.astype(np.float32)
     order = np.random.RandomState(seed).permutation(len(y))
     n_test = int(round(len(y) * test_fraction))

@@ -11,11 +11,11 @@ import numpy as np
 from mxnet import autograd, gluon
 
 from .data import load_digits, shard
-from .models import digits_net
+from .models import NETS
 
 
 def evaluate(net, x, y, ctx):
-    """Top-1 accuracy of ``net`` on arrays x (N, 1, 8, 8), y (N,)."""
+    """Top-1 accuracy of ``net`` on arrays x (N, C, H, W), y (N,)."""
     correct = 0
     for lo in range(0, len(y), 256):
         out = net(mx.nd.array(x[lo:lo + 256], ctx=ctx))
@@ -24,9 +24,14 @@ def evaluate(net, x, y, ctx):
 
 
 def train(kvstore="device", contexts=None, epochs=10, batch_size=64, lr=0.05, momentum=0.9,
-          wd=1e-4, seed=0, log=None):
-    """Train digits_net with SGD; returns a dict (accuracy, history, seconds, params:
-    name -> numpy array of every trainable parameter, stats: kv.stats() or None).
+          wd=1e-4, seed=0, log=None, net="digits_net", test_fraction=0.25, eval_every=None):
+    """Train a digits net with SGD; returns a dict (accuracy, history: test accuracy after
+    every epoch, curve: [(step, test accuracy)] every ``eval_every`` steps (default: each
+    epoch), seconds, params: name -> numpy array of every trainable parameter, stats:
+    kv.stats() or None).
+
+    net: a name of mxhylo.models.NETS (digits_net at 8x8, conv_net at 16x16, resnet20 at
+    16x16 in 3 channels); test_fraction: of the 1797 images held out.
 
     kvstore: a name or a KVStoreBase (None: no kvstore); contexts: list of mx.Context
     (default [cpu(0), cpu(1)]: two devices in one process). batch_size is per worker and
@@ -36,9 +41,13 @@ def train(kvstore="device", contexts=None, epochs=10, batch_size=64, lr=0.05, mo
     contexts = contexts or [mx.cpu(0), mx.cpu(1)]
     mx.random.seed(seed)
     np.random.seed(seed)
-    x_train, y_train, x_test, y_test = load_digits(seed=0)
+    if net not in NETS:
+        raise ValueError("net must be one of %s, got %r" % (", ".join(NETS), net))
+    make_net, size, channels = NETS[net]
+    x_train, y_train, x_test, y_test = load_digits(test_fraction, seed=0, size=size,
+                                                   channels=channels)
 
-    net = digits_net()
+    net = make_net()
     net.initialize(mx.init.Xavier(), ctx=contexts)
     net.hybridize()
     kv = mx.kv.create(kvstore) if isinstance(kvstore, str) else kvstore
@@ -51,7 +60,7 @@ def train(kvstore="device", contexts=None, epochs=10, batch_size=64, lr=0.05, mo
     steps_per_epoch = len(y_mine) // batch_size
     rng = np.random.RandomState(seed + 1000 * rank)
     start = time.time()
-    history = []
+    history, curve, done = [], [], 0
     for epoch in range(epochs):
         order = rng.permutation(len(y_mine))
         for step in range(steps_per_epoch):
@@ -62,8 +71,13 @@ def train(kvstore="device", contexts=None, epochs=10, batch_size=64, lr=0.05, mo
                 losses = [loss_fn(net(a), b) for a, b in zip(xs, ys)]
             autograd.backward(losses)
             trainer.step(batch_size * workers)
+            done += 1
+            if eval_every and done % eval_every == 0:
+                curve.append((done, evaluate(net, x_test, y_test, contexts[0])))
         acc = evaluate(net, x_test, y_test, contexts[0])
         history.append(acc)
+        if not eval_every:
+            curve.append((done, acc))
         if log:
             log("epoch %d  test accuracy %.4f" % (epoch + 1, acc))
     mx.nd.waitall()
@@ -71,5 +85,6 @@ def train(kvstore="device", contexts=None, epochs=10, batch_size=64, lr=0.05, mo
     params = {name: p.data(contexts[0]).asnumpy()
               for name, p in net.collect_params().items() if p.grad_req != "null"}
     stats = kv.stats() if hasattr(kv, "stats") else None
-    return {"accuracy": history[-1], "history": history, "seconds": time.time() - start,
+    return {"accuracy": history[-1], "history": history, "curve": curve,
+            "seconds": time.time() - start, "steps_per_epoch": steps_per_epoch,
             "params": params, "stats": stats, "workers": workers, "rank": rank}
