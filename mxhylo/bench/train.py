@@ -430,7 +430,7 @@ def write_speed_plot(report, path):
     import matplotlib.pyplot as plt
 
     models = list(report["results"])
-    fig, axes = plt.subplots(1, len(models), figsize=(4.8 * len(models) + 1, 4.6),
+    fig, axes = plt.subplots(1, len(models), figsize=(max(7.5, 4.8 * len(models) + 1), 5.0),
                              squeeze=False)
     kinds = (("step", "step (fwd+bwd+exchange)"), ("fwd_bwd", "fwd+bwd alone"),
              ("exchange", "exchange alone"))
@@ -466,7 +466,7 @@ def write_speed_plot(report, path):
     axes[0][0].legend(fontsize=8)
     cfg = report["config"]
     fig.suptitle("bench train: %d workers + %d servers, %s links; speedup = dist_sync step "
-                 "/ mode step; %s, %s" % (cfg["workers"], cfg["servers"], cfg["rate"],
+                 "/ mode step\n%s, %s" % (cfg["workers"], cfg["servers"], cfg["rate"],
                                          report["machine"].get("cpu", ""),
                                          report["date"][:16]), fontsize=9)
     fig.tight_layout()
