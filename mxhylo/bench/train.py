@@ -369,6 +369,13 @@ def summarise_tta(runs, baseline=BASELINE):
 
 # ----------------------------------------------------------------------------- tables
 
+def _ordered(report, per_mode):
+    """The modes of ``per_mode`` in the order of the run's --modes (a report read back
+    from JSON has its keys sorted)."""
+    first = [m for m in report.get("config", {}).get("modes", []) if m in per_mode]
+    return first + [m for m in per_mode if m not in first]
+
+
 def _mb(x):
     return "%.1f" % (x / 1e6) if x is not None else "-"
 
@@ -378,7 +385,8 @@ def format_speed_table(report):
         "model", "mode", "step s (range)", "fwd+bwd", "exch", "overlap", "speedup",
         "stream", "push MB/x", "pull MB/x", "same")]
     for model, per_mode in report["results"].items():
-        for mode, r in per_mode.items():
+        for mode in _ordered(report, per_mode):
+            r = per_mode[mode]
             if r.get("status") != "ok":
                 lines.append("%-13s %-15s %s" % (model, mode, r.get("status")))
                 continue
@@ -397,8 +405,8 @@ def format_speed_table(report):
 def format_tta_table(report):
     lines = ["%-15s %4s %8s %9s %7s %9s %8s %5s" % (
         "mode", "seed", "target s", "wall s", "epochs", "final acc", "train s", "same")]
-    for mode, rs in report["runs"].items():
-        for r in rs:
+    for mode in _ordered(report, report["runs"]):
+        for r in report["runs"][mode]:
             if r.get("status") != "ok":
                 lines.append("%-15s %4s %s" % (mode, r.get("seed"), r.get("status")))
                 continue
@@ -408,7 +416,8 @@ def format_tta_table(report):
                 "%.1f" % t["wall_s"] if t else "-", t["epochs"] if t else "-",
                 r["final_accuracy"], r["train_s"],
                 "yes" if r.get("workers_identical") else "NO"))
-    for mode, s in report["summary"].items():
+    for mode in _ordered(report, report["summary"]):
+        s = report["summary"][mode]
         tt = s["time_to_target_s"]
         fa = s["final_accuracy"]
         lines.append("%-15s  reached %d/%d, time to target median %s s, final accuracy "
@@ -437,7 +446,7 @@ def write_speed_plot(report, path):
     colors = ("tab:blue", "tab:green", "tab:orange")
     for ax, model in zip(axes[0], models):
         per_mode = report["results"][model]
-        modes = list(per_mode)
+        modes = _ordered(report, per_mode)
         width = 0.26
         for j, ((key, label), color) in enumerate(zip(kinds, colors)):
             xs, ys, lo, hi = [], [], [], []
@@ -482,8 +491,8 @@ def write_tta_plot(report, path):
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     styles = ("-", "--", ":", "-.")
-    for j, (mode, rs) in enumerate(report["runs"].items()):
-        for k, r in enumerate(rs):
+    for j, mode in enumerate(_ordered(report, report["runs"])):
+        for k, r in enumerate(report["runs"][mode]):
             if r.get("status") != "ok":
                 continue
             xs = [h["train_s"] for h in r["history"]]
