@@ -169,6 +169,8 @@ def run_speed(cfg, index):
     net(data)                                   # deferred initialisation
     mx.nd.waitall()
     kv, trainer = make_trainer(cfg, net, cfg["lr"])
+    # the stores sum the workers' gradients: normalise by the global batch
+    global_batch = B * int(kv.num_workers)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     setup_s = time.perf_counter() - t_begin
 
@@ -182,7 +184,7 @@ def run_speed(cfg, index):
         t0, w0 = time.perf_counter(), time.time()
         fwd_bwd()
         t1 = time.perf_counter()
-        trainer.step(B)
+        trainer.step(global_batch)
         t2 = time.perf_counter()
         mx.nd.waitall()
         t3 = time.perf_counter()
@@ -197,7 +199,7 @@ def run_speed(cfg, index):
         t1 = time.perf_counter()
         sync.barrier()
         t2 = time.perf_counter()
-        trainer.step(B)
+        trainer.step(global_batch)
         t3 = time.perf_counter()
         mx.nd.waitall()
         t4 = time.perf_counter()
@@ -222,7 +224,7 @@ def run_speed(cfg, index):
         t0 = time.perf_counter()
         for _ in range(cfg["stream_steps"]):
             fwd_bwd()
-            trainer.step(B)
+            trainer.step(global_batch)
         mx.nd.waitall()
         stream = {"steps": cfg["stream_steps"], "seconds": time.perf_counter() - t0}
     sha, total = param_checksum(net)
@@ -297,7 +299,7 @@ def run_tta(cfg, index):
             with autograd.record():
                 loss = loss_fn(net(data[0]), label[0])
             loss.backward()
-            trainer.step(B)
+            trainer.step(B * W)
             step += 1
         mx.nd.waitall()
         train_s += time.perf_counter() - t0
