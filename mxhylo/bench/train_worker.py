@@ -32,6 +32,9 @@ evaluates the validation set. The training clock stops during the evaluation (th
 other workers wait at the next epoch's barrier): ``train_s`` excludes it, ``wall_s``
 includes it.
 
+Both tasks call ``trainer.step(batch_size * num_workers)``: the stores sum the
+workers' gradients, so the update uses the mean over the global batch.
+
 Every worker reports a SHA-256 of its trainable parameters at the end: synchronous
 workers must hold bitwise identical parameters (BatchNorm's running statistics are
 each worker's own and are left out).
