@@ -76,7 +76,7 @@ def train(kvstore="device", contexts=None, epochs=10, batch_size=64, lr=0.05, mo
                 curve.append((done, evaluate(net, x_test, y_test, contexts[0])))
         acc = evaluate(net, x_test, y_test, contexts[0])
         history.append(acc)
-        if not eval_every:
+        if not curve or curve[-1][0] != done:
             curve.append((done, acc))
         if log:
             log("epoch %d  test accuracy %.4f" % (epoch + 1, acc))
