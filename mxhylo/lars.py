@@ -55,6 +55,87 @@ _KERNEL_MAX_WEIGHTS = 60
 _CKPT_FORMAT = "mxhylo.LARSTrainer/1"
 
 
+# ---- bfloat16 needs AVX-512 ------------------------------------------------------
+# MXNet 1.9.1's oneDNN (2.4) creates bf16 primitives (Convolution, FullyConnected,
+# ...) only on its 'avx512_core' ISA: AVX-512 F, BW, VL and DQ. The bf16
+# instructions themselves (avx512_bf16) are used when present and emulated
+# otherwise. Elsewhere, e.g. an AVX2-only CPU, the first bf16 convolution fails
+# inside oneDNN with "could not create a primitive descriptor iterator"; so does
+# any CPU when DNNL_MAX_CPU_ISA caps oneDNN below AVX512_CORE (which is how
+# tests/test_lars.py reproduces the failure on an AVX-512 machine).
+BF16_CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+_ONEDNN_BF16_ISAS = ("AVX512_CORE", "AVX512_CORE_VNNI", "AVX512_CORE_BF16", "AVX512_CORE_AMX",
+                     "ALL")
+
+
+class CPUFeatureError(RuntimeError):
+    """This CPU lacks an instruction-set feature the requested computation needs."""
+
+
+def _cpu_flags():
+    """Feature flags of this CPU (/proc/cpuinfo); None when unknown. The probe the
+    bf16 check uses (tests replace it)."""
+    from .ops import build
+    if not build.is_x86_64():
+        return set()
+    return build.cpu_flags() or None
+
+
+def bf16_missing_features(cpu_flags=None, environ=None):
+    """What keeps MXNet 1.9.1 from computing in bfloat16 on this CPU: the missing
+    CPU features (of BF16_CPU_FEATURES) and/or a DNNL_MAX_CPU_ISA setting below
+    AVX512_CORE. [] when bf16 can run (or the CPU's flags cannot be read)."""
+    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    environ = os.environ if environ is None else environ
+    missing = [] if flags is None else [f for f in BF16_CPU_FEATURES if f not in flags]
+    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKLDNN_MAX_CPU_ISA"):
+        cap = environ.get(var, "").strip().upper()
+        if cap and cap not in _ONEDNN_BF16_ISAS:
+            missing.append("%s=%s (oneDNN capped below AVX512_CORE)" % (var, cap))
+            break
+    return missing
+
+
+def check_bf16_support(what="bfloat16 compute"):
+    """Raise CPUFeatureError naming what is missing when this CPU cannot run
+    MXNet's bf16 kernels; call it before the first bf16 forward."""
+    missing = bf16_missing_features()
+    if missing:
+        from .ops import build
+        raise CPUFeatureError(
+            "%s needs a CPU with AVX-512 (%s: what MXNet 1.9.1's oneDNN requires for "
+            "bf16 Convolution and FullyConnected; otherwise it fails with 'could not "
+            "create a primitive descriptor iterator'). This CPU (%s) lacks: %s. Train "
+            "in float32 here." % (what, ", ".join(BF16_CPU_FEATURES), build.cpu_model(),
+                                  ", ".join(missing)))
+
+
+def bf16_amp_active():
+    """True after mxnet.contrib.amp.init(target_dtype='bfloat16') in this process."""
+    try:
+        from mxnet.contrib.amp import amp as _amp
+    except ImportError:  # pragma: no cover - MXNet without contrib.amp
+        return False
+    if not getattr(_amp, "_amp_initialized", False):
+        return False
+    wrapper = getattr(mx.nd, "Convolution", None)  # AMP wraps it with its target dtype
+    for cell in getattr(wrapper, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(value, np.dtype) and value == _amp.bfloat16:
+            return True
+    return False
+
+
+def _is_bf16(dtype):
+    try:
+        return np.dtype(dtype).names == ("bfloat16",)
+    except TypeError:
+        return False
+
+
 def _flatten(groups):
     return [arr for group in groups for arr in group]
 
@@ -333,6 +414,10 @@ class LARSTrainer(gluon.Trainer):
                                           update_on_kvstore=False)
         if self._contains_sparse_weight or self._contains_sparse_grad:
             raise ValueError("LARSTrainer supports dense parameters and gradients only")
+        if bf16_amp_active():
+            check_bf16_support("bfloat16 AMP (mxnet.contrib.amp.init(target_dtype='bfloat16'))")
+        elif any(_is_bf16(p.dtype) for p in self._params):
+            check_bf16_support("bfloat16 parameters")
         self.excluded = [p.name for p in self._params
                          if any(rx.search(p.name) for rx in self._exclude)]
         self._optimizer.exclude_indices = frozenset(

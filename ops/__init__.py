@@ -2,7 +2,9 @@
 
 Two implementations with one contract:
   * C++ (ops/src/hylo_ops.cc), registered with MXNet through its extension
-    library API and compiled on first use (see mxhylo.ops.build);
+    library API and compiled on first use for the ISA level $MXHYLO_ISA
+    (default native; every level gives bitwise the same results, see
+    mxhylo.ops.build);
   * an NDArray reference (mxhylo.ops.reference), the test oracle and the
     fallback for non-CPU contexts, for MXHYLO_OPS=reference, and when the
     library cannot be built or loaded (then one warning says why).
@@ -69,9 +71,9 @@ def _use_cpp(x):
 
 
 def set_num_threads(n):
-    """Threads per C++ kernel call; 0 (default) follows OpenMP: OMP_NUM_THREADS
-    when set, else the thread count MXNet chose for its own CPU operators.
-    Returns the setting; no effect on the reference."""
+    """Kept for compatibility: the C++ kernels run on the calling MXNet engine
+    thread (the library has no threads of its own, so none waits or spins on
+    cores that forward and backward need). Returns 1 (0 for the reference)."""
     if backend() != "cpp":
         return 0
     return build.set_num_threads(n)
@@ -90,6 +92,9 @@ def quantize_2bit(grad, residual, threshold):
         unused tail bits 0.
       stats float32 (2,): [sum of |a| over finite a, count of non-finite a];
         stats[0] / n is the mean |a| the caller adapts the next threshold from.
+        The C++ sum has one fixed order, the same in every ISA build (see
+        kChunk in ops/src/hylo_ops.cc), so all builds return the same bits;
+        the reference sums in another order (equal to ~1e-6 relative).
     """
     t, text = _checks.threshold32(threshold, "quantize_2bit")
     _checks.grad_residual(grad, residual, "quantize_2bit")

@@ -16,6 +16,7 @@ import pytest
 import mxnet as mx
 from mxnet import autograd, gluon
 
+import mxhylo.lars as lars
 from mxhylo.lars import LARSTrainer, make_schedule
 from mxhylo.loss_scale import DynamicLossScaler
 
@@ -500,7 +501,13 @@ def test_schedules_follow_their_formulas():
 def test_bfloat16_amp_tracks_fp32():
     """MXNet 1.9 CPU AMP (bf16 Convolution/FullyConnected via oneDNN) with LARSTrainer.
 
-    amp.init rewrites mx.nd globally, so the bf16 run is a subprocess."""
+    amp.init rewrites mx.nd globally, so the bf16 run is a subprocess. Needs
+    AVX-512 (see mxhylo.lars.BF16_CPU_FEATURES); elsewhere a skip naming what
+    is missing (the check itself is tested below on any CPU)."""
+    missing = lars.bf16_missing_features()
+    if missing:
+        pytest.skip("bf16 AMP needs a CPU with AVX-512 (%s); missing: %s" % (
+            ", ".join(lars.BF16_CPU_FEATURES), ", ".join(missing)))
     from mxhylo.bench.lars import train_digits
     args = dict(method="lars", batch_size=256, epochs=15, seed=0, lr=0.25,
                 warmup_epochs=5.0, eta=0.02)
@@ -517,3 +524,69 @@ def test_bfloat16_amp_tracks_fp32():
     bf16 = float(out.stdout.split("ACC")[-1])
     assert fp32 > 0.95
     assert abs(bf16 - fp32) <= 0.01, (bf16, fp32)
+
+
+def test_bf16_check_names_the_missing_features(monkeypatch):
+    """The check with a faked CPU probe: an AVX2-only CPU, then an AVX-512 one."""
+    avx2_cpu = {"sse2", "avx", "avx2", "fma", "f16c", "bmi2"}
+    monkeypatch.setattr(lars, "_cpu_flags", lambda: avx2_cpu)
+    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKLDNN_MAX_CPU_ISA"):
+        monkeypatch.delenv(var, raising=False)
+    assert lars.bf16_missing_features() == ["avx512f", "avx512bw", "avx512vl", "avx512dq"]
+    with pytest.raises(lars.CPUFeatureError, match=r"lacks: avx512f, avx512bw, avx512vl, "
+                                                   r"avx512dq\. Train in float32"):
+        lars.check_bf16_support()
+    monkeypatch.setattr(lars, "_cpu_flags", lambda: avx2_cpu | {"avx512f", "avx512dq"})
+    assert lars.bf16_missing_features() == ["avx512bw", "avx512vl"]
+    monkeypatch.setattr(lars, "_cpu_flags",
+                        lambda: avx2_cpu | set(lars.BF16_CPU_FEATURES))
+    assert lars.bf16_missing_features() == []
+    lars.check_bf16_support()  # no error
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "avx2")
+    assert lars.bf16_missing_features() == ["DNNL_MAX_CPU_ISA=AVX2 (oneDNN capped below "
+                                            "AVX512_CORE)"]
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "avx512_core_bf16")
+    assert lars.bf16_missing_features() == []
+    # float32 training never asks
+    monkeypatch.setattr(lars, "_cpu_flags", lambda: avx2_cpu)
+    LARSTrainer(toy_params("float32"), 0.1, loss_scale=None, schedule="constant")
+
+
+def test_bf16_amp_refused_before_onednn_fails():
+    """On this machine too: oneDNN capped at AVX2 (DNNL_MAX_CPU_ISA) fails a bf16
+    convolution exactly as an AVX2-only CPU does, and LARSTrainer refuses bf16 AMP
+    first, naming the cap; with a faked AVX2-only probe it names the features."""
+    code = textwrap.dedent("""
+        import os
+        import mxnet as mx
+        from mxnet.contrib import amp
+        amp.init(target_dtype="bfloat16")
+        import mxhylo.lars as lars
+        from mxhylo.models import digits_net
+        net = digits_net()
+        net.initialize()
+        assert lars.bf16_amp_active()
+        try:
+            net(mx.nd.ones((2, 1, 8, 8))).asnumpy()
+            print("FORWARD-RAN")
+        except mx.base.MXNetError as err:
+            print("ONEDNN:", str(err).splitlines()[0])
+        try:
+            lars.LARSTrainer(net.collect_params(), 0.1, loss_scale=None, schedule="constant")
+        except lars.CPUFeatureError as err:
+            print("CAPPED:", err)
+        del os.environ["DNNL_MAX_CPU_ISA"]
+        lars._cpu_flags = lambda: {"sse2", "avx", "avx2", "fma", "f16c"}
+        try:
+            lars.LARSTrainer(net.collect_params(), 0.1, loss_scale=None, schedule="constant")
+        except lars.CPUFeatureError as err:
+            print("PROBED:", err)
+    """)
+    env = dict(os.environ, DNNL_MAX_CPU_ISA="AVX2")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ONEDNN: " in out.stdout and "could not create a primitive descriptor" in out.stdout
+    assert "CAPPED: bfloat16 AMP" in out.stdout and "DNNL_MAX_CPU_ISA=AVX2" in out.stdout
+    assert "PROBED: bfloat16 AMP" in out.stdout
+    assert "lacks: avx512f, avx512bw, avx512vl, avx512dq" in out.stdout

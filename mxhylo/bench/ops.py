@@ -36,9 +36,11 @@ every output: `outputs_identical` says whether all levels agreed bit for bit
 operators compute slower afterwards?": gluoncv resnet50_v1b forward+backward
 (64x64 input, batch 8, the shapes of 224) timed in a process that quantizes a
 16M-element gradient before every step vs one that never loads the library,
-alternating, N rounds each; plus the process's thread count and the CPU time
-its threads use while it sleeps for a second after the operators ran (an
-OpenMP team left spinning would show there).
+both processes alive at once and taking turns step by step (so each pair of
+steps sees the same load), N rounds of --compute-steps pairs: wall seconds
+and CPU seconds (all threads) per step, the per-pair ratio; plus the process's thread count and the CPU time its threads
+use while it sleeps for a second after the operators ran (a thread left
+spinning would show in both).
 """
 import hashlib
 import json
@@ -266,14 +268,15 @@ def _thread_cpu_seconds():
 
 
 def child_compute(cfg):
-    """resnet50_v1b forward+backward seconds per step, with or without hylo's ops
-    quantizing a 16M-element gradient before every step; thread facts."""
+    """Serve resnet50_v1b forward+backward steps on request (stdin 'step' ->
+    stdout 'STEP wall_s cpu_s'), with or without hylo's ops quantizing and
+    dequantizing a 16M-element gradient before every step; 'idle' -> thread
+    facts after a 1 s sleep; 'quit' ends. Returns the final facts."""
     import mxnet as mx
     from mxnet import autograd
     from gluoncv.model_zoo import get_model
 
     use_ops = cfg["with_ops"]
-    threads_before = len(os.listdir("/proc/self/task"))
     net = get_model("resnet50_v1b", pretrained=False, classes=1000)
     net.initialize(mx.init.Xavier(), ctx=mx.cpu())
     x = mx.nd.random.uniform(shape=(8, 3, 64, 64))
@@ -292,6 +295,7 @@ def child_compute(cfg):
             codes, stats = ops.quantize_2bit(grad, residual, 0.008)
             ops.dequantize_2bit(codes, 0.008, (n,))
             stats.asnumpy()
+        mx.nd.waitall()
 
     def step():
         with autograd.record():
@@ -302,51 +306,105 @@ def child_compute(cfg):
     for _ in range(2):  # warm-up: allocations, oneDNN primitives
         hylo_work()
         step()
-    times = []
-    for _ in range(cfg["steps"]):
-        hylo_work()
-        mx.nd.waitall()
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    hylo_work()
-    mx.nd.waitall()
-    before = _thread_cpu_seconds()
-    time.sleep(1.0)
-    after = _thread_cpu_seconds()
-    idle = sum(after[t] - before[t] for t in after if t in before)
-    return {"with_ops": use_ops, "step_s": times, "median_s": statistics.median(times),
-            "threads_before_model": threads_before, "threads_after": len(after),
-            "idle_cpu_s_during_1s_sleep": round(idle, 3)}
+    print("READY", flush=True)
+    facts = {}
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "step":
+            hylo_work()
+            cpu0 = sum(os.times()[:2])  # user + system seconds, all threads
+            start = time.perf_counter()
+            step()
+            print("STEP %.6f %.6f" % (time.perf_counter() - start, sum(os.times()[:2]) - cpu0),
+                  flush=True)
+        elif cmd == "idle":
+            hylo_work()
+            before = _thread_cpu_seconds()
+            time.sleep(1.0)
+            after = _thread_cpu_seconds()
+            facts = {"threads": len(after), "idle_cpu_s_during_1s_sleep": round(
+                sum(after[t] - before[t] for t in after if t in before), 3)}
+            print("IDLE " + json.dumps(facts), flush=True)
+        elif cmd == "quit":
+            break
+    return facts
+
+
+def _expect(proc, prefix):
+    while True:
+        line = proc.stdout.readline().decode(errors="replace")
+        if not line:
+            raise RuntimeError("compute-check process exited (status %s) before %r" % (
+                proc.poll(), prefix))
+        if line.startswith(prefix):
+            return line[len(prefix):].strip()
 
 
 def compute_check(args):
-    rounds = []
-    for i in range(args.compute_rounds):
-        pair = {}
-        order = (True, False) if i % 2 == 0 else (False, True)
-        for with_ops in order:
-            _log("compute check round %d/%d, %s hylo ops" % (
-                i + 1, args.compute_rounds, "with" if with_ops else "without"))
-            pair["with_ops" if with_ops else "without_ops"] = _run_child(
-                {"mode": "compute", "with_ops": with_ops, "steps": args.compute_steps}, {})
-        pair["ratio"] = pair["with_ops"]["median_s"] / pair["without_ops"]["median_s"]
-        rounds.append(pair)
-    ratios = [r["ratio"] for r in rounds]
+    """Both processes live at once and take turns step by step (the order swaps
+    every step), so every pair of steps sees the same machine load."""
+    code = "from mxhylo.bench import ops; ops._child_main()"
+    env = dict(os.environ)
+    env.pop("MXHYLO_OPS", None)
+    procs = {}
+    try:
+        for with_ops in (True, False):
+            cfg = {"mode": "compute", "with_ops": with_ops}
+            procs[with_ops] = subprocess.Popen(
+                [sys.executable, "-c", code, json.dumps(cfg)], env=env, stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        for proc in procs.values():
+            _expect(proc, "READY")
+
+        def ask(proc, cmd, prefix):
+            proc.stdin.write((cmd + "\n").encode())
+            proc.stdin.flush()
+            return _expect(proc, prefix)
+
+        wall = {True: [], False: []}
+        cpu = {True: [], False: []}
+        total = args.compute_rounds * args.compute_steps
+        _log("compute check: %d step pairs" % total)
+        for i in range(total):
+            for with_ops in ((True, False) if i % 2 == 0 else (False, True)):
+                w, c = ask(procs[with_ops], "step", "STEP ").split()
+                wall[with_ops].append(float(w))
+                cpu[with_ops].append(float(c))
+        facts = {k: json.loads(ask(p, "idle", "IDLE ")) for k, p in procs.items()}
+        for proc in procs.values():
+            proc.stdin.write(b"quit\n")
+            proc.stdin.flush()
+            proc.wait(timeout=60)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    ratios = [a / b for a, b in zip(wall[True], wall[False])]
+    # per round of --compute-steps pairs: the ratio of the median step times
+    per_round = []
+    for r in range(args.compute_rounds):
+        sl = slice(r * args.compute_steps, (r + 1) * args.compute_steps)
+        per_round.append(statistics.median(wall[True][sl]) / statistics.median(wall[False][sl]))
     med = statistics.median(ratios)
+    q = sorted(ratios)
     return {
-        "model": "resnet50_v1b, 8x3x64x64, forward+backward, 1 process at a time",
-        "with_ops_median_s": [round(r["with_ops"]["median_s"], 4) for r in rounds],
-        "without_ops_median_s": [round(r["without_ops"]["median_s"], 4) for r in rounds],
-        "ratio_with_over_without": [round(r, 4) for r in ratios],
-        "ratio_median": round(med, 4),
-        "ratio_range": [round(min(ratios), 4), round(max(ratios), 4)],
+        "model": "resnet50_v1b, 8x3x64x64, forward+backward; the two processes alternate "
+                 "step by step",
+        "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
+        "steps_each": total,
+        "with_ops_median_s": round(statistics.median(wall[True]), 4),
+        "without_ops_median_s": round(statistics.median(wall[False]), 4),
+        "ratio_per_pair_median": round(med, 4),
+        "ratio_per_pair_quartiles": [round(q[len(q) // 4], 4), round(q[(3 * len(q)) // 4], 4)],
+        "ratio_per_round": [round(v, 4) for v in per_round],
         "within_5_percent": abs(med - 1.0) <= 0.05,
-        "threads_with_ops": [r["with_ops"]["threads_after"] for r in rounds],
-        "threads_without_ops": [r["without_ops"]["threads_after"] for r in rounds],
-        "idle_cpu_s_with_ops": [r["with_ops"]["idle_cpu_s_during_1s_sleep"] for r in rounds],
-        "idle_cpu_s_without_ops": [r["without_ops"]["idle_cpu_s_during_1s_sleep"]
-                                   for r in rounds],
+        "with_ops_cpu_s_median": round(statistics.median(cpu[True]), 4),
+        "without_ops_cpu_s_median": round(statistics.median(cpu[False]), 4),
+        "threads_with_ops": facts[True]["threads"],
+        "threads_without_ops": facts[False]["threads"],
+        "idle_cpu_s_with_ops": facts[True]["idle_cpu_s_during_1s_sleep"],
+        "idle_cpu_s_without_ops": facts[False]["idle_cpu_s_during_1s_sleep"],
     }
 
 
