@@ -42,6 +42,9 @@ from .transport_local import LocalTransport
 from . import active
 
 
+DEFAULT_WARMUP_STEPS = 30
+
+
 class Layer:
     """A key's plan and compressor, fixed at the key's first use."""
     __slots__ = ("key", "plan", "compressor")
@@ -84,6 +87,9 @@ class Hylo(KVStoreBase):
         (dense float32, Hylo as published). The default 'auto' is 'gather' over the
         parameter server and False in one process, where there is no pull to save
         (README, "Accuracy", says why); kvstore.policy.compress_pull_mode.
+      warmup_steps: a compressed layer's first this many exchanges travel uncompressed
+        (None: DEFAULT_WARMUP_STEPS, 30): early training is where error feedback's delay costs the most
+        per step (README, "Accuracy"); 0 turns it off. Counted per layer, checkpointed.
       momentum_correction: 'auto' (default: on when a gluon.Trainer with MXNet's 'sgd'
         optimizer and momentum > 0 drives the store), True (the same, and an error if
         the Trainer's optimizer is not such), False (plain error feedback, Hylo as
@@ -97,7 +103,8 @@ class Hylo(KVStoreBase):
 
     def __init__(self, size_threshold=8192, conv_rate=None, policy=None, max_conv_rate=0.1,
                  min_conv_rate=0.01, threshold_scale=1.0, compress_pull="auto",
-                 momentum_correction="auto", transport="auto", **transport_options):
+                 momentum_correction="auto", warmup_steps=None,
+                 transport="auto", **transport_options):
         self.policy = LayerPolicy(size_threshold=size_threshold, conv_rate=conv_rate,
                                   policy=policy, max_conv_rate=max_conv_rate,
                                   min_conv_rate=min_conv_rate, threshold_scale=threshold_scale)
@@ -109,6 +116,12 @@ class Hylo(KVStoreBase):
             raise ValueError("momentum_correction must be 'auto', True or False, got %r"
                              % (momentum_correction,))
         self.momentum_correction = momentum_correction
+        if warmup_steps is None:
+            warmup_steps = DEFAULT_WARMUP_STEPS
+        if not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < 0:
+            raise ValueError("warmup_steps must be a non-negative int, got %r"
+                             % (warmup_steps,))
+        self.warmup_steps = int(warmup_steps)
         self._momentum = None     # MomentumContext during a Trainer's step, else None
         self.memory = ResidualMemory()
         self.traffic = TrafficStats()
@@ -128,7 +141,8 @@ class Hylo(KVStoreBase):
         if transport == "ps":
             from .transport_ps import PSTransport
             return PSTransport(compress_pull=self.compress_pull,
-                               threshold_scale=self.policy.threshold_scale, **options)
+                               threshold_scale=self.policy.threshold_scale,
+                               warmup=self.warmup_steps > 0, **options)
         raise ValueError("transport must be 'auto', 'local' or 'ps', got %r" % (transport,))
 
     # -- KVStoreBase contract ------------------------------------------------------------
@@ -195,18 +209,20 @@ class Hylo(KVStoreBase):
         aggregates = self._aggregate_into(layers, values, outs)
         encoded = []
 
-        corrected = [self._momentum is not None and layer.plan.strategy != "none"
-                     for layer in layers]
+        warm = [self._warming_up(layer) for layer in layers]
+        corrected = [self._momentum is not None and layer.plan.strategy != "none" and not w
+                     for layer, w in zip(layers, warm)]
 
         def encode_each():                                  # 1. reduce, 2. encode
             # a generator: the transport pushes each layer as soon as it is encoded
-            for layer, vals, agg, mc in zip(layers, values, aggregates, corrected):
+            for layer, vals, agg, mc, w in zip(layers, values, aggregates, corrected, warm):
                 clock = time.perf_counter()
                 grad = self._reduce(vals)
                 if mc:      # the codec sends velocity (kvstore.momentum)
                     grad = momentum_correction.accumulate(layer.plan.name, grad,
                                                           self.memory, self._momentum)
-                payload = layer.compressor.encode(layer.plan, grad, self.memory)
+                compressor = self.compressors["none"] if w else layer.compressor
+                payload = compressor.encode(layer.plan, grad, self.memory)
                 if mc:
                     momentum_correction.mask_sent(layer.plan.name, grad, payload,
                                                   layer.compressor, self.memory)
@@ -219,7 +235,11 @@ class Hylo(KVStoreBase):
         for (layer, _), (pushed, pulled, per_server, messages) in zip(encoded, traffic):
             self.traffic.record(layer.plan, pushed, pulled, messages, per_server)
         clock = self.traffic.time("exchange", clock)
-        for layer, agg, mc in zip(layers, aggregates, corrected):
+        for layer, agg, mc, w in zip(layers, aggregates, corrected, warm):
+            if w:
+                self.memory.set_scalar(layer.plan.name, "warmup_done",
+                                       (self.memory.scalar(layer.plan.name, "warmup_done")
+                                        or 0) + 1)
             if mc:
                 momentum_correction.correct(layer.plan.name, agg, self.memory,
                                             self._momentum)
@@ -281,6 +301,12 @@ class Hylo(KVStoreBase):
             self._momentum = None
         self._done_in_step = set(keys) - {key}
 
+    def _warming_up(self, layer):
+        """Whether this exchange of a compressed layer is one of its warm-up steps."""
+        if layer.plan.strategy == "none" or not self.warmup_steps:
+            return False
+        return (self.memory.scalar(layer.plan.name, "warmup_done") or 0) < self.warmup_steps
+
     def _momentum_context(self, trainer):
         """The MomentumContext of this step, or None (see the momentum_correction option)."""
         if self.momentum_correction is False:
@@ -302,7 +328,8 @@ class Hylo(KVStoreBase):
         out = self.traffic.as_dict()
         out.update(type=self.type, rank=self.rank, num_workers=self.num_workers,
                    options=dict(self.policy.options(), compress_pull=self.compress_pull,
-                                momentum_correction=self.momentum_correction))
+                                momentum_correction=self.momentum_correction,
+                                warmup_steps=self.warmup_steps))
         return out
 
     def plans(self):

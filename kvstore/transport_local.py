@@ -37,9 +37,12 @@ class LocalTransport:
         """
         traffic = []
         for layer, payload, out in items:
-            layer.compressor.decode(payload, out)
+            # by the payload's codec: a compressed layer's warm-up steps travel dense
+            self.server.compressors[payload.strategy].decode(payload, out)
             codec = pull_codec(layer.plan.strategy, self.compress_pull)
             pulled = 4 * layer.plan.size
+            if payload.strategy == "none":
+                codec = "dense"
             if codec == "gather":     # one worker: its own payload, exactly as decoded
                 pulled = payload.nbytes
             elif codec != "dense":

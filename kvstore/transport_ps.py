@@ -65,11 +65,14 @@ class PSTransport:
     threshold_scale: of the 2-bit codec the servers encode pulls with.
     collective_timeout: seconds a worker waits for the others in save_residuals /
       load_residuals with compress_pull (collective calls) before it fails.
+    warmup: whether compressed layers also get dense keys, for the steps they travel
+      uncompressed (the store's warmup_steps).
     """
 
     def __init__(self, chunk_elements=DEFAULT_CHUNK_ELEMENTS,
                  bucket_bytes=DEFAULT_BUCKET_BYTES, split_elements=DEFAULT_SPLIT_MIN,
-                 compress_pull=None, threshold_scale=1.0, collective_timeout=300.0):
+                 compress_pull=None, threshold_scale=1.0, collective_timeout=300.0,
+                 warmup=False):
         if os.environ.get("DMLC_ROLE") != "worker":
             raise RuntimeError("the hylo parameter-server transport runs in MXNet worker "
                                "processes (DMLC_ROLE=worker), started by python -m "
@@ -94,6 +97,8 @@ class PSTransport:
         self._load = [0] * self.num_servers
         self._bcast = {}          # hylo key -> parameter-server key of the parameter
         self._chunks = {}         # hylo key -> [(ps key, ChunkLayout)]
+        self.warmup = bool(warmup)
+        self._warm_chunks = {}    # hylo key of a compressed layer -> its dense keys
         self._layouts = {}        # ps key -> (layer name, ChunkLayout), for the servers
         self._layouts_sent = False
         self._pull = {}           # ps key -> (row_sparse pull buffer, row ids)
@@ -179,12 +184,24 @@ class PSTransport:
         self._check_same_model(layer)
         bkey, _ = self._place(0)      # used once, at init: not part of the steady load
         keys, values = [bkey], [value]
-        chunks = []
-        for chunk in plan_chunks(layer.plan.strategy, layer.plan.shape, self.num_workers,
-                                 self.num_servers, self.chunk_elements,
-                                 self.split_elements,
-                                 pull=pull_codec(layer.plan.strategy, self.compress_pull),
-                                 pull_rate=layer.plan.rate, push_k=layer.plan.k):
+        chunks, warm = [], []
+        layouts = plan_chunks(layer.plan.strategy, layer.plan.shape, self.num_workers,
+                              self.num_servers, self.chunk_elements, self.split_elements,
+                              pull=pull_codec(layer.plan.strategy, self.compress_pull),
+                              pull_rate=layer.plan.rate, push_k=layer.plan.k)
+        if self.warmup and layer.plan.strategy != "none":
+            # dense keys for the warm-up steps (not counted in the steady load)
+            for chunk in plan_chunks("none", layer.plan.shape, self.num_workers,
+                                     self.num_servers, self.chunk_elements,
+                                     self.split_elements):
+                pskey, server = self._key_on(len(warm) % self.num_servers), \
+                    len(warm) % self.num_servers
+                chunk = dataclasses.replace(chunk, server=server)
+                warm.append((pskey, chunk))
+                self._layouts[pskey] = (layer.plan.name + " (warm-up)", chunk)
+                keys.append(pskey)
+                values.append(mx.nd.zeros(chunk.key_shape, ctx=mx.cpu()))
+        for chunk in layouts:
             pskey, server = self._place(4 * chunk.size)
             chunk = dataclasses.replace(chunk, server=server)
             chunks.append((pskey, chunk))
@@ -200,6 +217,8 @@ class PSTransport:
         self.kv.init(keys, values)      # one barrier for the layer
         self._bcast[layer.key] = bkey
         self._chunks[layer.key] = chunks
+        if warm:
+            self._warm_chunks[layer.key] = warm
         self._layer_shapes[layer.plan.name] = tuple(layer.plan.shape)
         self._layouts_sent = False
 
@@ -240,27 +259,28 @@ class PSTransport:
             if layer.key not in self._chunks:
                 raise KeyError("key %r (%s) was pushed before being initialised: call "
                                "broadcast first" % (layer.key, layer.plan.name))
-            materialized.append((layer, payload, out))
+            chunks = self._route(layer, payload)
+            materialized.append((layer, payload, out, chunks))
             traffic.append([0, 0, {}, 0])
-            if payload.strategy == "none" and len(self._chunks[layer.key]) == 1 \
-                    and layer.plan.size <= self.bucket_elements:
+            if payload.strategy == "none" and layer.plan.strategy == "none" \
+                    and len(chunks) == 1 and layer.plan.size <= self.bucket_elements:
                 fused.append(i)
                 continue
             alone.append(i)
-            for (pskey, chunk), (value, nbytes) in zip(self._chunks[layer.key],
-                                                       self._encode_pushes(layer, payload)):
+            for (pskey, chunk), (value, nbytes) in zip(chunks,
+                                                       self._encode_pushes(chunks, payload)):
                 self.kv.push(pskey, value)
                 count(i, chunk.server, pushed=nbytes, messages=1)
         items = materialized
-        buckets = self._buckets([items[i] for i in fused], fused)
+        buckets = self._buckets([items[i][:3] for i in fused], fused)
         if not self._layouts_sent:      # a new bucket key
             self._send_layouts()
         for pskey, chunk, members, send, _ in buckets:
             self.kv.push(pskey, send)
         for i in alone:
-            layer, _, out = items[i]
+            layer, _, out, chunks = items[i]
             flat = out.reshape((-1,))
-            for pskey, chunk in self._chunks[layer.key]:
+            for pskey, chunk in chunks:
                 if chunk.kind == "dense":
                     self.kv.pull(pskey, out=flat[chunk.lo:chunk.hi])
                     nbytes = 4 * chunk.size
@@ -341,9 +361,19 @@ class PSTransport:
             buckets.append((pskey, chunk, members, send, recv))
         return buckets
 
-    def _encode_pushes(self, layer, payload):
+    def _route(self, layer, payload):
+        """The [(ps key, ChunkLayout)] a payload travels in: the layer's own keys, or
+        for a compressed layer's warm-up (dense) payload its dense keys."""
+        if payload.strategy == "none" and layer.plan.strategy != "none":
+            warm = self._warm_chunks.get(layer.key)
+            if warm is None:
+                raise RuntimeError("layer %r sent uncompressed without warm-up keys: create "
+                                   "the store with warmup_steps > 0" % (layer.plan.name,))
+            return warm
+        return self._chunks[layer.key]
+
+    def _encode_pushes(self, chunks, payload):
         """Per chunk: (value to push, bytes on the wire)."""
-        chunks = self._chunks[layer.key]
         if payload.strategy == "none":
             flat = payload.arrays[0].reshape((-1,))
             return [(flat[c.lo:c.hi], 4 * c.size) for _, c in chunks]

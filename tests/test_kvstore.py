@@ -12,6 +12,12 @@ from mxhylo.kvstore import DistSyncHylo, Hylo
 CTX2 = [mx.cpu(0), mx.cpu(1)]
 
 
+
+@pytest.fixture(autouse=True)
+def _compress_from_the_first_step(monkeypatch):
+    """These tests check the codecs step by step: no warm-up (dense first steps)."""
+    monkeypatch.setattr("mxhylo.kvstore.hylo.DEFAULT_WARMUP_STEPS", 0)
+
 def nd(a, ctx=mx.cpu(0)):
     return mx.nd.array(a, ctx=ctx, dtype=a.dtype)
 

@@ -25,6 +25,12 @@ from mxhylo.kvstore.policy import LayerPolicy, compress_pull_mode, pull_codec
 from mxhylo.kvstore.server import PullEncoder
 from mxhylo.kvstore.wire import plan_chunks, pull_payload, pull_values
 
+
+@pytest.fixture(autouse=True)
+def _compress_from_the_first_step(monkeypatch):
+    """These tests check the codecs step by step: no warm-up (dense first steps)."""
+    monkeypatch.setattr("mxhylo.kvstore.hylo.DEFAULT_WARMUP_STEPS", 0)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CTX2 = [mx.cpu(0), mx.cpu(1)]
 TINY = np.float32(np.finfo(np.float32).tiny)
