@@ -1,0 +1,113 @@
+"""Momentum correction (kvstore.momentum) and the warm-up, in one process."""
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import gluon
+
+import mxhylo
+from mxhylo.kvstore import momentum
+from mxhylo.kvstore.memory import ResidualMemory
+
+
+def test_corrected_aggregates_make_mxnet_sgd_step_plainly():
+    """Fed the corrected aggregates, MXNet's momentum SGD moves the weights by exactly
+    -lr * rescale * aggregate per step (no second momentum), also when rescale_grad
+    changes (a smaller last batch); weight decay keeps its own momentum."""
+    rng = np.random.RandomState(0)
+    m, lr = 0.9, 0.1
+    opt = mx.optimizer.SGD(learning_rate=lr, momentum=m, wd=0.0)
+    w = mx.nd.array(rng.normal(size=(5, 3)))
+    expected = w.asnumpy().astype(np.float64)
+    state = opt.create_state(0, w)
+    memory = ResidualMemory()
+    for step, rescale in enumerate([0.5, 0.5, 0.25, 0.5, 0.5]):
+        agg = rng.normal(size=(5, 3)).astype(np.float32)
+        opt.rescale_grad = rescale
+        corrected = mx.nd.array(agg)
+        momentum.correct("w", corrected, memory, momentum.MomentumContext(m, rescale))
+        opt.update(0, w, corrected, state)
+        expected -= lr * rescale * agg
+        np.testing.assert_allclose(w.asnumpy(), expected, rtol=1e-5, atol=1e-6,
+                                   err_msg="step %d" % step)
+
+
+def test_factor_masking_zeroes_the_velocity_where_sent():
+    memory = ResidualMemory()
+    kv = mxhylo.create(size_threshold=10, conv_rate=0.25, warmup_steps=0)
+    g = mx.nd.array(np.random.RandomState(1).normal(size=(8, 2, 3, 3)))
+    ctx = momentum.MomentumContext(0.9, 1.0)
+    layer_plan = kv.policy.plan("conv", g.shape)
+    compressor = kv.compressors[layer_plan.strategy]
+    v = momentum.accumulate("conv", g, memory, ctx)
+    np.testing.assert_array_equal(v.asnumpy(), g.asnumpy())     # first step: u = g
+    payload = compressor.encode(layer_plan, v, memory)
+    momentum.mask_sent("conv", v, payload, compressor, memory)
+    u = memory.array("conv", "velocity", g).asnumpy()
+    sent = payload.arrays[0].asnumpy()
+    assert len(sent) == 2
+    assert np.all(u[sent] == 0)
+    rest = np.setdiff1d(np.arange(8), sent)
+    np.testing.assert_array_equal(u[rest], g.asnumpy()[rest])
+
+
+def _trainer_steps(kv, steps, seed=0, optimizer="sgd", opts=None):
+    """A Dense(64) on 16 inputs trained a few steps through ``kv``; returns weights."""
+    mx.random.seed(seed)
+    rng = np.random.RandomState(seed)
+    net = gluon.nn.Dense(64, in_units=256, prefix="fc_")
+    net.initialize(mx.init.Xavier())
+    trainer = gluon.Trainer(net.collect_params(), optimizer,
+                            opts or {"learning_rate": 0.1, "momentum": 0.9}, kvstore=kv)
+    for _ in range(steps):
+        x = mx.nd.array(rng.normal(size=(8, 256)))
+        with mx.autograd.record():
+            loss = (net(x) ** 2).mean()
+        loss.backward()
+        trainer.step(8)
+    return {k: p.data().asnumpy() for k, p in net.collect_params().items()}, kv
+
+
+def test_warmup_steps_travel_exactly_then_compress():
+    """The first warmup_steps exchanges of a compressed layer are the plain sum (the
+    same weights as a store that never compresses); the next one compresses."""
+    dense, _ = _trainer_steps(mxhylo.create(policy={".*": "none"}), 3)
+    warm, kv = _trainer_steps(mxhylo.create(warmup_steps=3), 3)
+    for name in dense:
+        np.testing.assert_array_equal(warm[name], dense[name], err_msg=name)
+    assert kv.stats()["layers"]["fc_weight"]["policy"] == "fc_2bit"
+    four, kv4 = _trainer_steps(mxhylo.create(warmup_steps=3), 4)
+    dense4, _ = _trainer_steps(mxhylo.create(policy={".*": "none"}), 4)
+    assert not np.array_equal(four["fc_weight"], dense4["fc_weight"])
+    assert kv4.memory.scalar("fc_weight", "warmup_done") == 3
+
+
+def test_momentum_correction_follows_the_trainer_optimizer():
+    _, kv = _trainer_steps(mxhylo.create(warmup_steps=0), 2)
+    assert kv.memory.get("fc_weight") is not None
+    # SGD with momentum: velocity and previous aggregate are kept (and checkpointed)
+    state = kv.memory.state_dict()
+    assert "velocity/fc_weight" in state and "previous_aggregate/fc_weight" in state
+    # without momentum, or with another optimizer: none
+    for optimizer, opts in (("sgd", {"learning_rate": 0.1}), ("adam", {"learning_rate": 0.01})):
+        _, kv = _trainer_steps(mxhylo.create(warmup_steps=0), 2, optimizer=optimizer,
+                               opts=opts)
+        assert "velocity/fc_weight" not in kv.memory.state_dict(), optimizer
+    with pytest.raises(ValueError, match="momentum_correction=True needs"):
+        _trainer_steps(mxhylo.create(warmup_steps=0, momentum_correction=True), 1,
+                       optimizer="adam", opts={"learning_rate": 0.01})
+    with pytest.raises(ValueError, match="momentum_correction must be"):
+        mxhylo.create(momentum_correction="yes")
+    with pytest.raises(ValueError, match="warmup_steps must be"):
+        mxhylo.create(warmup_steps=-1)
+
+
+def test_momentum_state_checkpoint_resumes_bitwise(tmp_path):
+    """Velocity, previous aggregate and warm-up count travel in save_residuals."""
+    _, kv = _trainer_steps(mxhylo.create(warmup_steps=1), 3)
+    kv.save_residuals(str(tmp_path / "r"))
+    fresh = mxhylo.create(warmup_steps=1)
+    fresh.load_residuals(str(tmp_path / "r"))
+    a, b = kv.memory.state_dict(), fresh.memory.state_dict()
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_array_equal(a[k].asnumpy(), b[k].asnumpy(), err_msg=k)
