@@ -208,10 +208,45 @@ def test_steps_per_epoch_uses_the_smallest_part():
     assert train.steps_per_epoch(9, 4, 1) == 0               # parts 3, 3, 3, 0
 
 
-def test_cosine_lr():
-    assert train_worker.cosine_lr(0.1, 0, 100) == pytest.approx(0.1)
-    assert train_worker.cosine_lr(0.1, 50, 100) == pytest.approx(0.05)
-    assert train_worker.cosine_lr(0.1, 100, 100) == pytest.approx(0.0)
+def test_store_warmup_is_read_from_the_store():
+    class Plain:
+        pass
+
+    class WithAttr:
+        warmup_steps = 30
+
+        def stats(self):
+            return {"steps": 7}
+
+    class FromStats:
+        def stats(self):
+            return {"steps": 3, "options": {"warmup_steps": 5}}
+    assert train_worker.store_warmup_exchanges(Plain()) == 0
+    assert train_worker.exchanges_done(Plain()) == 0
+    assert train_worker.store_warmup_exchanges(WithAttr()) == 30
+    assert train_worker.exchanges_done(WithAttr()) == 7
+    assert train_worker.store_warmup_exchanges(FromStats()) == 5
+
+
+def test_lr_schedule_reaches_the_servers():
+    """A schedule set with Trainer.set_learning_rate would stay on the workers while
+    dist_sync's servers update: the worker passes it as the optimizer's lr_scheduler."""
+    import mxnet as mx
+    net = mx.gluon.nn.Dense(2)
+    net.initialize()
+    sched = mx.lr_scheduler.CosineScheduler(max_update=10, base_lr=0.1, final_lr=0.0)
+
+    class Local(train_worker.Mode):
+        def kvstore(self, cfg):
+            return None, None
+    train_worker.MODES["_local"] = Local
+    try:
+        _, trainer = train_worker.make_trainer({"mode": "_local", "momentum": 0.9,
+                                                "wd": 0.0}, net, 0.1, lr_scheduler=sched)
+    finally:
+        del train_worker.MODES["_local"]
+    assert trainer._optimizer.lr_scheduler is sched
+    assert sched(5) == pytest.approx(0.05)
 
 
 def test_cpu_features_like_grep():
@@ -274,7 +309,7 @@ def test_timeouts_grow_with_the_model():
     small = {"dense_pull_floor_s": 0.01, "dense_bytes": 1e6}
     big = {"dense_pull_floor_s": 8.9, "dense_bytes": 5.5e8}
     assert train.speed_timeout(small, 4, 5, 2, 4) < train.speed_timeout(big, 4, 5, 2, 4)
-    assert 240 < train.speed_timeout(small, 4, 5, 2, 4) < 600
+    assert 240 < train.speed_timeout(small, 4, 5, 2, 4) < 2000
     assert train.tta_timeout(small, 4, 150, 15) < train.tta_timeout(big, 4, 150, 15)
 
 
@@ -329,7 +364,10 @@ def test_tiny_real_run(tmp_path):
         assert r["wire"]["push_bytes_per_step"] > 0
     assert per_mode["dist_sync"]["update_on_kvstore"] is True      # Gluon's default
     assert per_mode["hylo"]["update_on_kvstore"] is False
-    assert "bytes_pushed_per_step" in per_mode["hylo"]["hylo"]
+    hy = per_mode["hylo"]["hylo"]
+    # measured past hylo's dense warm-up, if the store has one: compressed pushes
+    assert hy["bytes_pushed_per_step"] < hy["dense_bytes_per_step"]
+    assert per_mode["dist_sync"]["store_warmup_steps_run"] == 0
     assert per_mode["dist_sync"]["speedup_vs_dist_sync"] == pytest.approx(1.0)
     assert (tmp_path / "train.png").exists()
     assert report["machine"]["cpu_features"] is not None

@@ -66,6 +66,7 @@ HYLO_MODES = ("hylo_densepull", "hylo")
 BASELINE = "dist_sync"
 PS_PORT = 9091
 FULL_SIZE_MODELS = ("vgg", "alexnet")     # classifier shapes depend on the input size
+STORE_WARMUP_ALLOWANCE = 40               # steps a store's dense warm-up may take
 _CPU_BYTES_PER_S = 50e6                   # codec/copy CPU bound used in job time limits
 CPU_FEATURES = re.compile(r"avx512[a-z_0-9]*|avx2|f16c")
 
@@ -272,6 +273,8 @@ def summarise_speed(worker_results, before, after, steps):
     res["warmup_step_s"] = [max(r["warmup"][i]["full"]["seconds"] for r in worker_results)
                             for i in range(min(len(r["warmup"]) for r in worker_results))]
     res["setup_s"] = max(r["setup_s"] for r in worker_results)
+    res["store_warmup_steps_run"] = max(r.get("store_warmup_steps_run", 0)
+                                        for r in worker_results)
     res["update_on_kvstore"] = worker_results[0].get("update_on_kvstore")
     exchanges = 2 * steps
     if before and after:
@@ -672,7 +675,7 @@ def run_job(topo, job_dir, config, port, timeout, worker_threads=1):
 def speed_timeout(summary, num_workers, steps, warmup, stream):
     """Seconds for one speed job: start-up plus, per exchange, 6 dense-pull floors, the
     codec CPU bound and 10 s of computation."""
-    exchanges = 2 * (steps + warmup) + stream
+    exchanges = 2 * (steps + warmup) + stream + STORE_WARMUP_ALLOWANCE
     return 240.0 + exchanges * (6.0 * summary["dense_pull_floor_s"]
                                 + num_workers * summary["dense_bytes"] / _CPU_BYTES_PER_S
                                 + 10.0)
@@ -811,6 +814,8 @@ def _run_speed(args, parsed, common, report, topo, tmp, skipped):
         "backward + waitall, no exchange running; exchange = trainer.step + waitall on "
         "gradients already computed (same job; every step is a real update)",
         "overlap_s = fwd_bwd + exchange - step",
+        "a store with a dense warm-up (hylo's warmup_steps) first runs untimed steps past "
+        "it (store_warmup_steps_run): the steady state is measured",
         "stream_step_s: %d back-to-back steps with one wait at the end, per step"
         % args.stream_steps,
         "wire bytes: interface counters (L2 frames incl. headers) over the %d timed "
@@ -879,7 +884,7 @@ def _run_tta(args, parsed, common, report, topo, tmp, skipped):
     summary = model_summary(shapes, W, S, parsed["rate_bps"])
     report["config"] = dict(common, task="tta", model=model, image_size=args.tta_size,
                             classes=10, batch_size=args.tta_batch_size, lr=args.tta_lr,
-                            lr_schedule="cosine to 0 over all steps", epochs=args.tta_epochs,
+                            lr_schedule="cosine to 0 over all steps (optimizer lr_scheduler)", epochs=args.tta_epochs,
                             target=args.target, seeds=args.seeds, train_images=n_train,
                             steps_per_epoch=spe,
                             data="scikit-learn digits as .rec (grey, %dpx), mean 128 std "

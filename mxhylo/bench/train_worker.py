@@ -7,7 +7,9 @@ harness). It trains a gluoncv model with ``gluon.Trainer`` (SGD, momentum) throu
 kvstore of its mode (:data:`MODES`) and writes what it measured as JSON. Two tasks:
 
 ``speed`` (``config['task']``): synthetic batches (one fixed random batch per worker),
-``warmup`` untimed rounds, then ``steps`` timed rounds, then ``stream_steps`` back-to-back
+untimed full steps until the store is past its own dense warm-up (hylo's
+``warmup_steps``: its compressed layers' first exchanges travel uncompressed; the
+benchmark measures the steady state), ``warmup`` untimed rounds, then ``steps`` timed rounds, then ``stream_steps`` back-to-back
 steps. A round is two training steps, each begun after a file barrier of all workers
 (:class:`mxhylo.bench.comm_worker.FileSync`):
 
@@ -27,8 +29,9 @@ finished. Around the timed rounds worker 0 asks the harness to read the interfac
 counters (``mark``), so those bytes belong to exactly 2 * ``steps`` exchanges.
 
 ``tta``: time to accuracy on the digits .rec (mxhylo.io.RecordLoader, each worker its
-part), ``epochs`` epochs with a cosine learning rate; after every epoch rank 0
-evaluates the validation set. The training clock stops during the evaluation (the
+part), ``epochs`` epochs with a cosine learning rate (mx.lr_scheduler.CosineScheduler
+in the optimizer, so that it holds where the servers update too); after every epoch
+rank 0 evaluates the validation set. The training clock stops during the evaluation (the
 other workers wait at the next epoch's barrier): ``train_s`` excludes it, ``wall_s``
 includes it.
 
@@ -42,7 +45,6 @@ each worker's own and are left out).
 import argparse
 import hashlib
 import json
-import math
 import os
 import sys
 import time
@@ -140,14 +142,35 @@ def build_net(name, classes, seed, hybridize=True):
     return net
 
 
-def make_trainer(cfg, net, lr):
+def make_trainer(cfg, net, lr, lr_scheduler=None):
+    """(kvstore, gluon.Trainer with SGD) of the mode. A learning-rate schedule must be an
+    ``lr_scheduler`` of the optimizer: with the update on the servers (dist_sync's Gluon
+    default) the servers run their own pickled copy of the optimizer, and
+    Trainer.set_learning_rate would only change the workers' unused copy."""
     import mxnet as mx
     kv, update_on_kvstore = MODES[cfg["mode"]]().kvstore(cfg)
-    trainer = mx.gluon.Trainer(net.collect_params(), "sgd",
-                               {"learning_rate": lr, "momentum": cfg["momentum"],
-                                "wd": cfg["wd"]},
+    params = {"momentum": cfg["momentum"], "wd": cfg["wd"]}
+    if lr_scheduler is not None:
+        params["lr_scheduler"] = lr_scheduler
+    else:
+        params["learning_rate"] = lr
+    trainer = mx.gluon.Trainer(net.collect_params(), "sgd", params,
                                kvstore=kv, update_on_kvstore=update_on_kvstore)
     return kv, trainer
+
+
+def store_warmup_exchanges(kv):
+    """How many first exchanges the store sends uncompressed (hylo's warmup_steps), 0
+    for stores without such a phase."""
+    n = getattr(kv, "warmup_steps", None)
+    if n is None and hasattr(kv, "stats"):
+        n = (kv.stats().get("options") or {}).get("warmup_steps")
+    return int(n or 0)
+
+
+def exchanges_done(kv):
+    """Exchanges the store has counted so far (kv.stats()['steps']), 0 without stats."""
+    return int((kv.stats() if hasattr(kv, "stats") else {}).get("steps") or 0)
 
 
 def _stats(kv):
@@ -208,6 +231,14 @@ def run_speed(cfg, index):
         t4 = time.perf_counter()
         return {"fwd_bwd_s": t1 - t0, "exchange_s": t4 - t2, "exchange_call_s": t3 - t2}
 
+    # A store that sends its first exchanges dense (hylo's warmup_steps) is measured
+    # past them: untimed full steps until its own count says so (the same number on
+    # every worker: the count is deterministic).
+    store_warmup = store_warmup_exchanges(kv) if cfg.get("skip_store_warmup", True) else 0
+    skipped = 0
+    while store_warmup and exchanges_done(kv) < store_warmup:
+        full_step()
+        skipped += 1
     warm = []
     for _ in range(cfg["warmup"]):
         warm.append({"full": full_step(), "split": split_step()})
@@ -234,17 +265,13 @@ def run_speed(cfg, index):
     sync.barrier("done")
     return {"index": index, "rank": int(kv.rank), "mode": cfg["mode"], "task": "speed",
             "update_on_kvstore": bool(trainer._update_on_kvstore),
-            "setup_s": setup_s, "warmup": warm, "rounds": rounds, "stream": stream,
+            "setup_s": setup_s, "store_warmup_exchanges": store_warmup,
+            "store_warmup_steps_run": skipped, "warmup": warm, "rounds": rounds, "stream": stream,
             "stats_before": stats_before, "stats": stats_after,
             "param_sha256": sha, "param_abs_sum": total}
 
 
 # ----------------------------------------------------------------------------- tta
-
-def cosine_lr(base, step, total):
-    """Cosine decay from ``base`` at step 0 to 0 at ``total``."""
-    return base * 0.5 * (1.0 + math.cos(math.pi * min(step, total) / float(max(total, 1))))
-
 
 def evaluate(net, loader):
     correct = seen = 0
@@ -269,7 +296,11 @@ def run_tta(cfg, index):
     net = build_net(cfg["model"], C, cfg["seed"], cfg.get("hybridize", True))
     net(mx.nd.zeros((1, 1, S, S)))
     mx.nd.waitall()
-    kv, trainer = make_trainer(cfg, net, cfg["lr"])
+    steps_per_epoch = int(cfg["steps_per_epoch"])
+    total_steps = steps_per_epoch * cfg["epochs"]
+    schedule = mx.lr_scheduler.CosineScheduler(max_update=total_steps, base_lr=cfg["lr"],
+                                               final_lr=0.0)
+    kv, trainer = make_trainer(cfg, net, cfg["lr"], lr_scheduler=schedule)
     rank, W = int(kv.rank), int(kv.num_workers)
     norm = {"mean": 128.0, "std": 64.0}
     train = RecordLoader(cfg["train_rec"], cfg["train_idx"], B, (1, S, S), shuffle=True,
@@ -278,11 +309,9 @@ def run_tta(cfg, index):
     val = RecordLoader(cfg["val_rec"], cfg["val_idx"], 256, (1, S, S), num_parts=1,
                        part_index=0, last_batch="keep", preprocess_threads=1,
                        prefetch=0, **norm) if rank == 0 else None
-    steps_per_epoch = int(cfg["steps_per_epoch"])
     if len(train) < steps_per_epoch:
         raise SystemExit("worker %d: its part has %d batches, fewer than the %d steps per "
                          "epoch every worker must take" % (index, len(train), steps_per_epoch))
-    total_steps = steps_per_epoch * cfg["epochs"]
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     setup_s = time.perf_counter() - t_begin
 
@@ -298,7 +327,6 @@ def run_tta(cfg, index):
         for i, (data, label) in enumerate(train):
             if i == steps_per_epoch:
                 break
-            trainer.set_learning_rate(cosine_lr(cfg["lr"], step, total_steps))
             with autograd.record():
                 loss = loss_fn(net(data[0]), label[0])
             loss.backward()
