@@ -39,9 +39,12 @@ def main():
                         help="in one process: also train uncompressed and print both")
     parser.add_argument("--policy", type=json.loads, default=None,
                         help='hylo layer policy override, JSON, e.g. \'{".*": "none"}\'')
-    parser.add_argument("--compress-pull", choices=("off", "layer", "2bit"), default=None,
+    parser.add_argument("--compress-pull", choices=("gather", "off", "layer", "2bit"), default=None,
                         help="hylo: how the servers return aggregates (default: the "
                              "library's default; see README, Compressed pull)")
+    parser.add_argument("--warmup-steps", type=int, default=None,
+                        help="hylo: exchanges each compressed layer travels dense first "
+                             "(default: the library's, 30)")
     parser.add_argument("--json", help="write accuracy and traffic to this file")
     parser.add_argument("--save-params", metavar="PATTERN",
                         help="save the final parameters to PATTERN.format(rank=kv.rank) (.npz)")
@@ -55,6 +58,8 @@ def main():
     distributed = os.environ.get("DMLC_ROLE") == "worker"
     contexts = [mx.cpu(0)] if distributed else [mx.cpu(0), mx.cpu(1)]
     options = {} if args.compress_pull is None else {"compress_pull": args.compress_pull}
+    if args.warmup_steps is not None:
+        options["warmup_steps"] = args.warmup_steps
     kv = mxhylo.create(args.kvstore, policy=args.policy, **options) \
         if "hylo" in args.kvstore else args.kvstore
     result = train(kvstore=kv, contexts=contexts, epochs=args.epochs,
