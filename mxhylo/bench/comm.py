@@ -39,9 +39,9 @@ import time
 from . import netns
 from ..launch import SERVER_DEFAULTS
 
-ALL_MODES = ("dense_pushpull", "dense_push_pull", "mxnet_2bit", "hylo", "hylo_pull",
-             "hylo_pull2bit")
-HYLO_MODES = ("hylo", "hylo_pull", "hylo_pull2bit")
+ALL_MODES = ("dense_pushpull", "dense_push_pull", "mxnet_2bit", "hylo", "hylo_gather",
+             "hylo_pull", "hylo_pull2bit")
+HYLO_MODES = ("hylo", "hylo_gather", "hylo_pull", "hylo_pull2bit")
 DEFAULT_MODELS = ("resnet50_v1b", "vgg16", "alexnet")
 BASELINE = "dense_pushpull"
 FLOAT_BYTES = 4

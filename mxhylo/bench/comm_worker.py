@@ -132,6 +132,8 @@ class HyloMode:
         import mxhylo
         options = dict(cfg.get("hylo_options") or {})
         options.setdefault("compress_pull", self.compress_pull)
+        # the exchange of compressed steps is measured: no dense warm-up steps
+        options.setdefault("warmup_steps", 0)
         self.kv = mxhylo.create("dist_sync_hylo", **options)
 
     def init(self, keys, params):
@@ -154,6 +156,12 @@ class HyloPullMode(HyloMode):
     compress_pull = True
 
 
+class HyloGatherMode(HyloMode):
+    """hylo_gather: hylo with compress_pull='gather' (the default): the servers return
+    the workers' own payloads gathered; exact, about W times the pushed bytes."""
+    compress_pull = "gather"
+
+
 class HyloPull2BitMode(HyloMode):
     """hylo_pull2bit: hylo with compress_pull='2bit': every compressed layer's
     aggregate comes back 2-bit."""
@@ -166,6 +174,7 @@ MODES = {
     "mxnet_2bit": MXNet2Bit,
     "hylo": HyloMode,
     "hylo_pull": HyloPullMode,
+    "hylo_gather": HyloGatherMode,
     "hylo_pull2bit": HyloPull2BitMode,
 }
 
