@@ -13,7 +13,7 @@ SUITES = {
     "ops": "compression operators: C++ vs NDArray reference vs memcpy bandwidth",
     "comm": "gradient exchange over MXNet's parameter server in shaped network namespaces",
     "io": "RecordLoader decode throughput and input wait with a simulated step",
-    "accuracy": "dist_sync dense vs built-in 2-bit vs hylo (dense and compressed pull) on the digits, several seeds",
+    "accuracy": "convergence per step: dense vs hylo modes over nets, learning rates, budgets and seeds on the digits",
     "lars": "large-batch study on the digits: LARS with warmup vs SGD with scaled lr",
     "train": "real Gluon training steps (or time to accuracy, --tta) per kvstore in shaped "
              "network namespaces",
