@@ -13,9 +13,9 @@ for (4 * size) over the median wall time of --repeats calls
 (mx.nd.waitall() before and after each). memcpy GB/s is numpy's np.copyto of
 a float32 array of the same size, timed right before each timed call, in the
 same process: on a shared machine both see the same load, so the ratio
-C++ / memcpy of a round is the figure to read. Every round gives one ratio
-per operator and level; the report gives their median and range
-(min-max). Kernels run on one thread (the library has no threads).
+C++ / memcpy is the figure to read (a round's ratio is the median over its
+call pairs of memcpy time / C++ time). Every round gives one ratio per
+operator and level; the report gives their median and range (min-max). Kernels run on one thread (the library has no threads).
 
 Operators and data: gradient ~ N(0, scale) float32 of --size elements
 (default 16M), viewed as (size / F, F) filters for the kernel operators with
@@ -130,7 +130,8 @@ def _median_seconds(fn, repeats, sync, interleave=None):
         times.append(_timed(fn, sync))
     if interleave is None:
         return statistics.median(times)
-    return statistics.median(times), statistics.median(other)
+    ratio = statistics.median(o / t for o, t in zip(other, times))  # per call pair
+    return statistics.median(times), statistics.median(other), ratio
 
 
 def _cases(mx, ops, ref, n, cfg):
@@ -214,9 +215,10 @@ def child_measure(cfg):
     results = {}
     for name in cfg["ops"]:
         cpp_fn, ref_fn = cases[name]
-        seconds, memcpy_seconds = _median_seconds(
+        seconds, memcpy_seconds, ratio = _median_seconds(
             cpp_fn, cfg["repeats"], mx.nd.waitall, interleave=lambda: np.copyto(dst, src))
-        results[name] = {"gbps": gbytes / seconds, "memcpy_gbps": gbytes / memcpy_seconds}
+        results[name] = {"gbps": gbytes / seconds, "memcpy_gbps": gbytes / memcpy_seconds,
+                         "over_memcpy": ratio}
         if cfg.get("reference") and cfg["ref_repeats"] > 0:
             results[name]["reference_gbps"] = gbytes / _median_seconds(
                 ref_fn, cfg["ref_repeats"], mx.nd.waitall)
@@ -430,7 +432,7 @@ def summarize(per_isa, wanted):
                 continue
             gbps = [r["results"][name]["gbps"] for r in runs]
             memcpy = [r["results"][name]["memcpy_gbps"] for r in runs]
-            ratio = [g / m for g, m in zip(gbps, memcpy)]
+            ratio = [r["results"][name]["over_memcpy"] for r in runs]
             entry = {"gbps": _spread(gbps), "memcpy_gbps": _spread(memcpy),
                      "over_memcpy": _spread(ratio)}
             refs = [r["results"][name]["reference_gbps"] for r in runs
