@@ -141,6 +141,9 @@ def parse_args(argv=None):
                           "(default dist_sync_hylo)")
     dev.add_argument("--hylo-size-threshold", type=int, default=8192,
                      help="hylo: layers with fewer elements travel uncompressed (8192)")
+    dev.add_argument("--hylo-warmup-steps", type=int, default=None,
+                     help="hylo: exchanges each compressed layer travels dense first "
+                          "(default: the library's, 30)")
     dev.add_argument("--hylo-conv-rate", type=float, default=None,
                      help="hylo: fixed fraction of conv filters sent (default adaptive)")
     dev.add_argument("--hylo-policy", type=json.loads, default=None,
@@ -217,7 +220,8 @@ def make_kvstore(args):
     name = args.kvstore
     if name in HYLO_TYPES:
         kv = mxhylo.create(name, size_threshold=args.hylo_size_threshold,
-                           conv_rate=args.hylo_conv_rate, policy=args.hylo_policy)
+                           conv_rate=args.hylo_conv_rate, policy=args.hylo_policy,
+                           warmup_steps=args.hylo_warmup_steps)
     elif "dist" in name:
         kv = mx.kv.create(name)
     else:

@@ -48,7 +48,7 @@ def test_resnet18_two_workers_one_server_finishes_an_epoch(digits_rec, tmp_path)
     cmd = [sys.executable, "-m", "mxhylo.launch", "-n", "2", "-s", "1", "--timeout", "150",
            sys.executable, SCRIPT, "--model", "resnet18_v1b", "--kvstore", "dist_sync_hylo",
            "--num-epochs", "1", "--batch-size", "32", "--log-interval", "10",
-           "--lr", "2", "--eta", "0.02",
+           "--lr", "2", "--eta", "0.02", "--hylo-warmup-steps", "0",   # one epoch: 21 steps
            "--save-dir", str(tmp_path), "--json", str(tmp_path / "summary-{rank}.json")]
     rc, log = _run(cmd + _data_args(digits_rec), timeout=180)
     assert rc == 0, log[-4000:]
