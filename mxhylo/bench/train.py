@@ -224,8 +224,12 @@ def overlap(fwd_bwd_s, exchange_s, step_s):
 
 
 def checksum_summary(worker_results):
+    """Whether the workers' trainable parameters are bitwise identical (and their peak
+    memory, reported alongside)."""
     shas = [r.get("param_sha256") for r in sorted(worker_results, key=lambda r: r["index"])]
+    rss = [r.get("peak_rss_bytes") for r in worker_results if r.get("peak_rss_bytes")]
     return {"workers_identical": len(set(shas)) == 1 and shas[0] is not None,
+            "worker_peak_rss_bytes": max(rss) if rss else None,
             "param_sha256": shas,
             "param_abs_sum": [r.get("param_abs_sum") for r in
                               sorted(worker_results, key=lambda r: r["index"])]}
@@ -384,9 +388,9 @@ def _mb(x):
 
 
 def format_speed_table(report):
-    lines = ["%-13s %-15s %14s %7s %7s %7s %8s %7s %9s %9s %5s" % (
+    lines = ["%-13s %-15s %14s %7s %7s %7s %8s %7s %9s %9s %5s %6s" % (
         "model", "mode", "step s (range)", "fwd+bwd", "exch", "overlap", "speedup",
-        "stream", "push MB/x", "pull MB/x", "same")]
+        "stream", "push MB/x", "pull MB/x", "same", "RSS GB")]
     for model, per_mode in report["results"].items():
         for mode in _ordered(report, per_mode):
             r = per_mode[mode]
@@ -395,13 +399,15 @@ def format_speed_table(report):
                 continue
             wire = r.get("wire", {})
             sp = r.get("speedup_vs_" + BASELINE)
-            lines.append("%-13s %-15s %5.3f %-8s %7.3f %7.3f %7.3f %8s %7s %9s %9s %5s" % (
+            rss = r.get("worker_peak_rss_bytes")
+            lines.append("%-13s %-15s %5.3f %-8s %7.3f %7.3f %7.3f %8s %7s %9s %9s %5s %6s" % (
                 model, mode, r["step_s"], "(%.2f-%.2f)" % (r["step"]["min"], r["step"]["max"]),
                 r["fwd_bwd_s"], r["exchange_s"], r["overlap_s"],
                 "%.2fx" % sp if sp else "-",
                 "%.3f" % r["stream_step_s"] if r.get("stream_step_s") else "-",
                 _mb(wire.get("push_bytes_per_step")), _mb(wire.get("pull_bytes_per_step")),
-                "yes" if r.get("workers_identical") else "NO"))
+                "yes" if r.get("workers_identical") else "NO",
+                "%.2f" % (rss / 2.0 ** 30) if rss else "-"))
     return lines
 
 
@@ -657,8 +663,11 @@ def run_job(topo, job_dir, config, port, timeout, worker_threads=1):
     if code != 0:
         tail = _tail(log_path)
         reason = [l for l in tail.splitlines() if "job FAILED" in l]
-        raise JobError(reason[-1].split("] ", 1)[-1] if reason else "exit code %d" % code,
-                       tail)
+        msg = reason[-1].split("] ", 1)[-1] if reason else "exit code %d" % code
+        if "SIGKILL" in msg and "did not stop" not in tail:
+            msg += (" (nothing in the job sent it: most likely the kernel's OOM killer, "
+                    "see dmesg; a smaller --batch-size or fewer workers need less memory)")
+        raise JobError(msg, tail)
     results = []
     for i in range(W):
         path = os.path.join(job_dir, "worker%d.json" % i)

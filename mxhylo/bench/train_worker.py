@@ -173,6 +173,12 @@ def exchanges_done(kv):
     return int((kv.stats() if hasattr(kv, "stats") else {}).get("steps") or 0)
 
 
+def peak_rss_bytes():
+    """This process's peak resident memory (ru_maxrss, KiB on Linux) in bytes."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _stats(kv):
     return _jsonable(kv.stats()) if hasattr(kv, "stats") else None
 
@@ -268,7 +274,7 @@ def run_speed(cfg, index):
             "setup_s": setup_s, "store_warmup_exchanges": store_warmup,
             "store_warmup_steps_run": skipped, "warmup": warm, "rounds": rounds, "stream": stream,
             "stats_before": stats_before, "stats": stats_after,
-            "param_sha256": sha, "param_abs_sum": total}
+            "param_sha256": sha, "param_abs_sum": total, "peak_rss_bytes": peak_rss_bytes()}
 
 
 # ----------------------------------------------------------------------------- tta
@@ -355,7 +361,7 @@ def run_tta(cfg, index):
             "seed": cfg["seed"], "setup_s": setup_s, "history": history,
             "steps_per_epoch": steps_per_epoch, "update_on_kvstore":
             bool(trainer._update_on_kvstore), "stats": stats,
-            "param_sha256": sha, "param_abs_sum": total}
+            "param_sha256": sha, "param_abs_sum": total, "peak_rss_bytes": peak_rss_bytes()}
 
 
 # ----------------------------------------------------------------------------- main
