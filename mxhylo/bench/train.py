@@ -383,6 +383,11 @@ def _ordered(report, per_mode):
     return first + [m for m in per_mode if m not in first]
 
 
+def _ordered_models(report):
+    first = [m for m in report.get("config", {}).get("models", []) if m in report["results"]]
+    return first + [m for m in report["results"] if m not in first]
+
+
 def _mb(x):
     return "%.1f" % (x / 1e6) if x is not None else "-"
 
@@ -391,7 +396,8 @@ def format_speed_table(report):
     lines = ["%-13s %-15s %14s %7s %7s %7s %8s %7s %9s %9s %5s %6s" % (
         "model", "mode", "step s (range)", "fwd+bwd", "exch", "overlap", "speedup",
         "stream", "push MB/x", "pull MB/x", "same", "RSS GB")]
-    for model, per_mode in report["results"].items():
+    for model in _ordered_models(report):
+        per_mode = report["results"][model]
         for mode in _ordered(report, per_mode):
             r = per_mode[mode]
             if r.get("status") != "ok":
@@ -447,7 +453,7 @@ def write_speed_plot(report, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = list(report["results"])
+    models = _ordered_models(report)
     fig, axes = plt.subplots(1, len(models), figsize=(max(7.5, 4.8 * len(models) + 1), 5.0),
                              squeeze=False)
     kinds = (("step", "step (fwd+bwd+exchange)"), ("fwd_bwd", "fwd+bwd alone"),
@@ -470,6 +476,9 @@ def write_speed_plot(report, path):
             ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, color=color, label=label)
         for i, mode in enumerate(modes):
             r = per_mode[mode]
+            if r.get("status") != "ok":
+                ax.text(i, 0, (r.get("status") or "").split(":")[0], ha="center",
+                        va="bottom", fontsize=8, color="tab:red")
             sp = r.get("speedup_vs_" + BASELINE) if r.get("status") == "ok" else None
             if sp:
                 ax.annotate("%.2fx" % sp, (i - width, r["step_s"]), ha="center",
