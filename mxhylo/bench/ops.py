@@ -269,6 +269,13 @@ def _thread_cpu_seconds():
     return out
 
 
+def _process_cpu_seconds():
+    """User + system CPU seconds of all the process's threads (microsecond resolution)."""
+    import resource
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def child_compute(cfg):
     """Serve resnet50_v1b forward+backward steps on request (stdin 'step' ->
     stdout 'STEP wall_s cpu_s'), with or without hylo's ops quantizing and
@@ -314,11 +321,11 @@ def child_compute(cfg):
         cmd = line.strip()
         if cmd == "step":
             hylo_work()
-            cpu0 = sum(os.times()[:2])  # user + system seconds, all threads
+            cpu0 = _process_cpu_seconds()
             start = time.perf_counter()
             step()
-            print("STEP %.6f %.6f" % (time.perf_counter() - start, sum(os.times()[:2]) - cpu0),
-                  flush=True)
+            print("STEP %.6f %.6f" % (time.perf_counter() - start,
+                                      _process_cpu_seconds() - cpu0), flush=True)
         elif cmd == "idle":
             hylo_work()
             before = _thread_cpu_seconds()
@@ -383,6 +390,7 @@ def compute_check(args):
                 proc.kill()
                 proc.wait()
     ratios = [a / b for a, b in zip(wall[True], wall[False])]
+    cpu_ratios = [a / b for a, b in zip(cpu[True], cpu[False]) if b > 0]
     # per round of --compute-steps pairs: the ratio of the median step times
     per_round = []
     for r in range(args.compute_rounds):
@@ -401,6 +409,8 @@ def compute_check(args):
         "ratio_per_pair_quartiles": [round(q[len(q) // 4], 4), round(q[(3 * len(q)) // 4], 4)],
         "ratio_per_round": [round(v, 4) for v in per_round],
         "within_5_percent": abs(med - 1.0) <= 0.05,
+        "cpu_ratio_per_pair_median": round(statistics.median(cpu_ratios), 4),
+        "cpu_within_5_percent": abs(statistics.median(cpu_ratios) - 1.0) <= 0.05,
         "with_ops_cpu_s_median": round(statistics.median(cpu[True]), 4),
         "without_ops_cpu_s_median": round(statistics.median(cpu[False]), 4),
         "threads_with_ops": facts[True]["threads"],
