@@ -738,3 +738,36 @@ def test_avx2_build_has_no_avx512(isa_outputs):
                          check=True).stdout.decode()
     assert "%ymm" in asm  # AVX2 code is there ...
     assert "%zmm" not in asm and "%k1" not in asm  # ... and no AVX-512 register
+
+
+def test_bench_ops_smoke(tmp_path):
+    """python -m mxhylo.bench ops, tiny: two ISA levels in their own processes, the
+    CPU's features, identical outputs, a plot (speed itself is never asserted)."""
+    if FORCED_REFERENCE:
+        pytest.skip("MXHYLO_OPS=reference")
+    report_path = tmp_path / "ops.json"
+    env = {k: v for k, v in os.environ.items() if k != "MXHYLO_OPS"}
+    proc = subprocess.run([sys.executable, "-m", "mxhylo.bench", "ops", "--size", "40000",
+                           "--filter", "100", "--rounds", "1", "--repeats", "1",
+                           "--ref-repeats", "1", "--isa", "native,x86-64-v3,sse9"],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    assert proc.returncode != 0 and b"unknown ISA level 'sse9'" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "mxhylo.bench", "ops", "--size", "40000",
+                           "--filter", "100", "--rounds", "1", "--repeats", "1",
+                           "--ref-repeats", "1", "--isa", "native,x86-64-v3",
+                           "--json", str(report_path)],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
+    assert proc.returncode == 0, proc.stdout.decode()[-3000:]
+    import json
+    report = json.loads(report_path.read_text())
+    cpu = report["cpu"]
+    assert cpu["model_name"] and "avx2" in cpu["flags"] and "avx512f" in cpu["flags"]
+    missing = build.missing_features("x86-64-v3")
+    want = "measured" if not missing else "skipped: this CPU lacks " + ", ".join(missing)
+    assert report["isa_status"] == {"native": "measured", "x86-64-v3": want}
+    assert report["outputs_identical"] is True
+    quant = report["results"]["quantize_2bit"]
+    assert set(quant) == {isa for isa, s in report["isa_status"].items() if s == "measured"}
+    assert quant["native"]["over_memcpy"]["median"] > 0 and quant["native"]["over_reference"]
+    assert report["build_info"]["native"]["openmp"] is False
+    assert (tmp_path / "ops.png").is_file()
