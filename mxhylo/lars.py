@@ -417,7 +417,7 @@ class LARSTrainer(gluon.Trainer):
         if bf16_amp_active():
             check_bf16_support("bfloat16 AMP (mxnet.contrib.amp.init(target_dtype='bfloat16'))")
         elif any(_is_bf16(p.dtype) for p in self._params):
-            check_bf16_support("bfloat16 parameters")
+            check_bf16_support("training bfloat16 parameters")
         self.excluded = [p.name for p in self._params
                          if any(rx.search(p.name) for rx in self._exclude)]
         self._optimizer.exclude_indices = frozenset(

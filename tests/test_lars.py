@@ -547,9 +547,16 @@ def test_bf16_check_names_the_missing_features(monkeypatch):
                                             "AVX512_CORE)"]
     monkeypatch.setenv("DNNL_MAX_CPU_ISA", "avx512_core_bf16")
     assert lars.bf16_missing_features() == []
-    # float32 training never asks
+    # float32 training never asks; bfloat16 parameters (without AMP) do
     monkeypatch.setattr(lars, "_cpu_flags", lambda: avx2_cpu)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA")
     LARSTrainer(toy_params("float32"), 0.1, loss_scale=None, schedule="constant")
+    from mxnet.contrib.amp.amp import bfloat16
+    p = gluon.Parameter("fc_weight", shape=(4, 3), dtype=bfloat16)
+    p.initialize(mx.init.Zero())
+    with pytest.raises(lars.CPUFeatureError, match="training bfloat16 parameters needs a CPU "
+                                                   "with AVX-512.*lacks: avx512f"):
+        LARSTrainer([p], 0.1, loss_scale=None, schedule="constant")
 
 
 def test_bf16_amp_refused_before_onednn_fails():
