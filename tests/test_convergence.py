@@ -32,5 +32,7 @@ def test_default_store_converges_like_dist_sync_on_a_conv_net(tmp_path):
     hylo = final["hylo"]["final_accuracy"]["mean"]
     assert hylo >= dense - 0.07 and hylo >= 0.85, (hylo, dense)
     assert all(final["hylo"]["workers_identical"]), final["hylo"]
+    # per step over the whole run, whose first 30 of 126 steps are the dense warm-up:
+    # 30/126 of dense plus about 1/11 of dense for the compressed steps, < 0.35
     assert report["bytes_per_step_pushed_pulled"]["conv_net"]["hylo"][0] < \
-        report["bytes_per_step_pushed_pulled"]["conv_net"]["dense"][0] / 4
+        0.35 * report["bytes_per_step_pushed_pulled"]["conv_net"]["dense"][0]
