@@ -429,6 +429,52 @@ class Proc:
             return ""
 
 
+class ShapedRun:
+    """The namespaces and job folder of one benchmark run, torn down whatever happens.
+
+    ``with ShapedRun(topo, tmp, "comm", keep_tmp) as run:`` creates the namespaces,
+    turns SIGTERM/SIGHUP into an interruption, and on the way out (shielded from a
+    second signal) deletes the namespaces and, unless ``keep_tmp`` or ``run.failed``
+    (set by the body when a job failed), the job folder. A namespace error or an
+    interruption leaves as SystemExit with a message (130 when interrupted).
+    """
+
+    def __init__(self, topo, tmp, bench, keep_tmp=False):
+        self.topo, self.tmp, self.bench, self.keep_tmp = topo, tmp, bench, keep_tmp
+        self.failed = False
+
+    def __enter__(self):
+        def on_signal(signum, frame):
+            raise _Interrupted("signal %d" % signum)
+        self.old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+        try:
+            self.topo.create()
+        except BaseException as err:
+            self.__exit__(type(err), err, None)
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            with _Shielded():
+                errors = self.topo.destroy()
+                if errors:
+                    _log("could not delete: %s" % "; ".join(errors))
+                if self.keep_tmp or self.failed:
+                    _log("job files kept in " + self.tmp)
+                else:
+                    shutil.rmtree(self.tmp, ignore_errors=True)
+        finally:
+            for s, h in self.old.items():
+                signal.signal(s, h)
+        if exc_type is not None and issubclass(exc_type, netns.NetnsError):
+            raise SystemExit("mxhylo.bench %s: network namespaces: %s" % (self.bench, exc))
+        if exc_type is not None and issubclass(exc_type, (_Interrupted, KeyboardInterrupt)):
+            _log("interrupted (%s): cleaning up" % (str(exc) or "SIGINT"))
+            raise SystemExit(130)
+        return False
+
+
 class JobError(RuntimeError):
     pass
 
@@ -674,12 +720,7 @@ def run(args):
     cfg = {"num_workers": W, "num_servers": S, "warmup": args.warmup, "steps": timed_steps,
            "grad_scale": args.grad_scale, "seed": args.seed, "hylo_options": hylo_options}
 
-    def on_signal(signum, frame):
-        raise _Interrupted("signal %d" % signum)
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
-    failed = False
-    try:
-        topo.create()
+    with ShapedRun(topo, tmp, "comm", args.keep_tmp) as shaped:
         _log("namespaces %s* up: %d roles, %s links" % (topo.prefix, len(topo.roles),
                                                          args.rate))
         port = PS_PORT
@@ -703,30 +744,12 @@ def run(args):
                     _log("  %.3f s per exchange (job %.0f s)" % (per_mode[mode]["seconds"],
                                                                  time.monotonic() - t0))
                 except JobError as err:
-                    failed = True
+                    shaped.failed = True
                     per_mode[mode] = {"status": "failed: %s" % err,
                                       "log_tail": getattr(err, "tails", {})}
                     _log("  FAILED: %s" % err)
                 port += 1
             add_speedups(per_mode, summaries[m]["dense_pull_floor_s"])
-    except netns.NetnsError as err:
-        raise SystemExit("mxhylo.bench comm: network namespaces: %s" % err)
-    except (_Interrupted, KeyboardInterrupt) as err:
-        _log("interrupted (%s): cleaning up" % (str(err) or "SIGINT"))
-        raise SystemExit(130)
-    finally:
-        try:
-            with _Shielded():
-                errors = topo.destroy()
-                if errors:
-                    _log("could not delete: %s" % "; ".join(errors))
-                if args.keep_tmp or failed:
-                    _log("job files kept in " + tmp)
-                else:
-                    shutil.rmtree(tmp, ignore_errors=True)
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
 
     report["table"] = format_table(report)
     report["pull_checks"] = pull_checks(report)

@@ -46,7 +46,6 @@ import datetime
 import json
 import os
 import re
-import shutil
 import signal
 import statistics
 import subprocess
@@ -55,7 +54,7 @@ import tempfile
 import time
 
 from . import netns
-from .comm import (_Interrupted, _Shielded, clean_env, hylo_available, hylo_summary,
+from .comm import (ShapedRun, _Interrupted, clean_env, hylo_available, hylo_summary,
                    machine_info, model_summary, parse_list, role_names,
                    shapes_in_subprocess, wire_summary)
 from .train_worker import MODES
@@ -772,36 +771,11 @@ def run(args):
                           mtu=args.mtu, tag="train")
     tmp = tempfile.mkdtemp(prefix="mxhylo-train-")
 
-    def on_signal(signum, frame):
-        raise _Interrupted("signal %d" % signum)
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
-    failed = False
-    try:
-        topo.create()
+    with ShapedRun(topo, tmp, "train", args.keep_tmp) as shaped:
         _log("namespaces %s* up: %d roles, %s links" % (topo.prefix, len(topo.roles),
                                                          args.rate))
-        if args.tta:
-            failed = _run_tta(args, parsed, common, report, topo, tmp, skipped)
-        else:
-            failed = _run_speed(args, parsed, common, report, topo, tmp, skipped)
-    except netns.NetnsError as err:
-        raise SystemExit("mxhylo.bench train: network namespaces: %s" % err)
-    except (_Interrupted, KeyboardInterrupt) as err:
-        _log("interrupted (%s): cleaning up" % (str(err) or "SIGINT"))
-        raise SystemExit(130)
-    finally:
-        try:
-            with _Shielded():
-                errors = topo.destroy()
-                if errors:
-                    _log("could not delete: %s" % "; ".join(errors))
-                if args.keep_tmp or failed:
-                    _log("job files kept in " + tmp)
-                else:
-                    shutil.rmtree(tmp, ignore_errors=True)
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
+        run_mode = _run_tta if args.tta else _run_speed
+        shaped.failed = run_mode(args, parsed, common, report, topo, tmp, skipped)
     try:
         report["machine"]["loadavg_end"] = list(os.getloadavg())
     except OSError:
