@@ -273,9 +273,10 @@ def run_worker(cfg, index):
             "stats": stats_after, "timeline": timeline}
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m mxhylo.bench.comm_worker",
-                                     description=__doc__,
+def serve(prog, description, run, argv=None):
+    """A benchmark worker's command line: --config JSON, --index, --out; writes
+    ``run(cfg, index)`` as JSON to --out (atomically: the harness polls for it)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="job config JSON from the harness")
     parser.add_argument("--index", type=int, required=True, help="this worker's index")
@@ -283,11 +284,15 @@ def main(argv=None):
     args = parser.parse_args(argv)
     with open(args.config) as f:
         cfg = json.load(f)
-    result = run_worker(cfg, args.index)
+    result = run(cfg, args.index)
     with open(args.out + ".tmp", "w") as f:
         json.dump(result, f)
     os.rename(args.out + ".tmp", args.out)
     return 0
+
+
+def main(argv=None):
+    return serve("python -m mxhylo.bench.comm_worker", __doc__, run_worker, argv)
 
 
 if __name__ == "__main__":

@@ -42,15 +42,12 @@ Every worker reports a SHA-256 of its trainable parameters at the end: synchrono
 workers must hold bitwise identical parameters (BatchNorm's running statistics are
 each worker's own and are left out).
 """
-import argparse
 import hashlib
-import json
-import os
 import sys
 import time
 import warnings
 
-from .comm_worker import FileSync, _jsonable
+from .comm_worker import FileSync, _jsonable, serve
 
 
 # ----------------------------------------------------------------------------- modes
@@ -370,19 +367,8 @@ TASKS = {"speed": run_speed, "tta": run_tta}
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m mxhylo.bench.train_worker",
-                                     description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="job config JSON from the harness")
-    parser.add_argument("--index", type=int, required=True, help="this worker's index")
-    parser.add_argument("--out", required=True, help="write the result JSON here")
-    args = parser.parse_args(argv)
-    with open(args.config) as f:
-        cfg = json.load(f)
-    result = TASKS[cfg["task"]](cfg, args.index)
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.rename(args.out + ".tmp", args.out)
+    return serve("python -m mxhylo.bench.train_worker", __doc__,
+                 lambda cfg, index: TASKS[cfg["task"]](cfg, index), argv)
     return 0
 
 
