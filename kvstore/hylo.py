@@ -231,6 +231,7 @@ class Hylo(KVStoreBase):
                 yield layer, payload, agg
 
         clock = time.perf_counter()
+        self.transport.prepare(layers)      # keys are made before the first push
         traffic = self.transport.exchange(encode_each())                 # 3. exchange
         for (layer, _), (pushed, pulled, per_server, messages) in zip(encoded, traffic):
             self.traffic.record(layer.plan, pushed, pulled, messages, per_server)

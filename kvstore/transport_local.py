@@ -29,6 +29,9 @@ class LocalTransport:
         for out in outs:
             out[:] = value
 
+    def prepare(self, layers):
+        """Nothing to create: there is no server."""
+
     def exchange(self, items):
         """Decode each (layer, payload, out) into float32 ``out``.
 

@@ -227,18 +227,65 @@ class PSTransport:
 
     # -- one exchange --------------------------------------------------------------------
 
+    def prepare(self, layers):
+        """Create the keys an exchange of ``layers`` (in item order) needs and does not
+        have yet: the bucket of a new sequence of small layers. Called before the
+        exchange's first push.
+
+        kv.init is collective (rank 0 pushes the value, then every worker meets at a
+        barrier), so every key is made here, between exchanges, with no push of this
+        worker in flight, and the servers get the new layouts before any push of that
+        key: key creation is ordered with respect to the traffic on every worker.
+        """
+        for layer in layers:
+            if layer.key not in self._chunks:
+                raise KeyError("key %r (%s) was pushed before being initialised: call "
+                               "broadcast first" % (layer.key, layer.plan.name))
+        for group in self._bucket_groups([l for l in layers if self._fusable(l)]):
+            signature = tuple(layer.key for layer in group)
+            if len(group) == 1 or signature in self._bucket_keys:
+                continue
+            size = sum(layer.plan.size for layer in group)
+            pskey, server = self._place(4 * size)
+            chunk = ChunkLayout("dense", 0, size, size, server=server)
+            self._layouts[pskey] = ("bucket:" + ",".join(l.plan.name for l in group), chunk)
+            self._layouts_sent = False
+            self.kv.init(pskey, mx.nd.zeros((size,)))
+            self._bucket_keys[signature] = (pskey, chunk, mx.nd.empty((size,)))
+        if not self._layouts_sent:
+            self._send_layouts()
+
+    def _fusable(self, layer):
+        """Whether the layer travels fused into a bucket: uncompressed, one key, small."""
+        return (layer.plan.strategy == "none" and len(self._chunks[layer.key]) == 1
+                and layer.plan.size <= self.bucket_elements)
+
+    def _bucket_groups(self, entries, layer_of=lambda entry: entry):
+        """Entries of fusable layers, in order, cut into groups of at most
+        bucket_elements (summed over each group's layers)."""
+        groups, group, total = [], [], 0
+        for entry in entries:
+            size = layer_of(entry).plan.size
+            if group and total + size > self.bucket_elements:
+                groups.append(group)
+                group, total = [], 0
+            group.append(entry)
+            total += size
+        if group:
+            groups.append(group)
+        return groups
+
     def exchange(self, items):
         """One exchange of several layers: push every payload, then pull every aggregate.
 
-        items: list of (layer, payload, out), out a float32 NDArray of the layer's shape.
-        Uncompressed layers of at most ``bucket_elements`` travel fused into buckets of
+        items: list of (layer, payload, out), out a float32 NDArray of the layer's shape;
+        prepare() has seen their layers. Uncompressed layers of at most
+        ``bucket_elements`` travel fused into buckets of
         that size (one message each way per bucket, not one per tensor). Returns, per
         item, (bytes pushed, bytes pulled, {server: bytes}, messages) as they go on the
         wire (payload values and row ids; not ps-lite's own message headers); messages
         counts pushes, each of which has one pull.
         """
-        if not self._layouts_sent:
-            self._send_layouts()
         if self._pending_state or self._pending_replace:
             self._restore_server_state()
         traffic = []
@@ -256,14 +303,10 @@ class PSTransport:
         # pull queued behind this worker's pushes on the same connection would wait.
         materialized, fused, alone, pulled_rows = [], [], [], []
         for i, (layer, payload, out) in enumerate(items):
-            if layer.key not in self._chunks:
-                raise KeyError("key %r (%s) was pushed before being initialised: call "
-                               "broadcast first" % (layer.key, layer.plan.name))
             chunks = self._route(layer, payload)
             materialized.append((layer, payload, out, chunks))
             traffic.append([0, 0, {}, 0])
-            if payload.strategy == "none" and layer.plan.strategy == "none" \
-                    and len(chunks) == 1 and layer.plan.size <= self.bucket_elements:
+            if self._fusable(layer):
                 fused.append(i)
                 continue
             alone.append(i)
@@ -273,8 +316,6 @@ class PSTransport:
                 count(i, chunk.server, pushed=nbytes, messages=1)
         items = materialized
         buckets = self._buckets([items[i][:3] for i in fused], fused)
-        if not self._layouts_sent:      # a new bucket key
-            self._send_layouts()
         for pskey, chunk, members, send, _ in buckets:
             self.kv.push(pskey, send)
         for i in alone:
@@ -316,43 +357,26 @@ class PSTransport:
         return [tuple(t) for t in traffic]
 
     def _buckets(self, items, indices):
-        """Fill buckets with the small uncompressed payloads, in call order.
+        """The buckets prepare() made for these small uncompressed payloads, filled.
 
         Returns [(ps key, ChunkLayout, [(item index, offset, size)], send, recv)]. A
-        bucket's key is made the first time that sequence of layers is seen (every
-        worker sees the same sequences in the same order, so the keys agree).
+        group of one travels in the layer's own key.
         """
-        groups, group, total = [], [], 0
-        for (layer, payload, _), i in zip(items, indices):
-            if group and total + layer.plan.size > self.bucket_elements:
-                groups.append(group)
-                group, total = [], 0
-            group.append((i, layer, payload))
-            total += layer.plan.size
-        if group:
-            groups.append(group)
+        entries = [(i, layer, payload) for (layer, payload, _), i in zip(items, indices)]
         buckets = []
-        for group in groups:
-            signature = tuple(layer.key for _, layer, _ in group)
+        for group in self._bucket_groups(entries, layer_of=lambda entry: entry[1]):
             if len(group) == 1:
-                # a bucket of one is the layer's own key
                 i, layer, payload = group[0]
                 pskey, chunk = self._chunks[layer.key][0]
-                flat = payload.arrays[0].reshape((-1,))
-                buckets.append((pskey, chunk, [(i, 0, layer.plan.size)], flat,
+                buckets.append((pskey, chunk, [(i, 0, layer.plan.size)],
+                                payload.arrays[0].reshape((-1,)),
                                 mx.nd.empty((layer.plan.size,))))
                 continue
-            entry = self._bucket_keys.get(signature)
-            if entry is None:
-                size = sum(layer.plan.size for _, layer, _ in group)
-                pskey, server = self._place(4 * size)
-                chunk = ChunkLayout("dense", 0, size, size, server=server)
-                self._layouts[pskey] = ("bucket:" + ",".join(l.plan.name for _, l, _ in group),
-                                        chunk)
-                self._layouts_sent = False
-                self.kv.init(pskey, mx.nd.zeros((size,)))
-                entry = self._bucket_keys[signature] = (pskey, chunk, mx.nd.empty((size,)))
-            pskey, chunk, recv = entry
+            signature = tuple(layer.key for _, layer, _ in group)
+            if signature not in self._bucket_keys:
+                raise RuntimeError("no bucket for layers %s: call prepare(layers) before "
+                                   "exchange" % ", ".join(l.plan.name for _, l, _ in group))
+            pskey, chunk, recv = self._bucket_keys[signature]
             members, offset = [], 0
             for i, layer, _ in group:
                 members.append((i, offset, layer.plan.size))

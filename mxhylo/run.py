@@ -12,9 +12,11 @@ worker: the distributed kvstore is created once (default
   mxhylo.kvstore.active.set_active(), and SCRIPT runs as __main__ with sys.argv =
   [SCRIPT, ARGS...] under a few patches, undone when it returns (see
   DistributedPatches): Gluon Trainers created without a kvstore use that store and
-  average over all workers' samples (W workers with batch b train like one process
-  with batch W*b), mx.io.ImageRecordIter reads only this worker's part of the file,
-  and a script's own mx.kv.create('dist_...') gets the job's store.
+  average over all workers' samples and follow their lr schedule at the pace of one
+  process with batch W*b, a training mx.io.ImageRecordIter reads only this worker's
+  part of the file (an evaluation reader all of it),
+  and a script's own mx.kv.create('dist_...') gets the job's store. What is and is
+  not patched: DistributedPatches, and the README's "mxhylo.run" section.
 
 Without DMLC_ROLE (not launched) SCRIPT just runs, with mxhylo imported.
 
@@ -30,6 +32,8 @@ import runpy
 import sys
 import threading
 import traceback
+
+from mxhylo.paced_schedule import pace_schedule
 
 DEFAULT_KVSTORE = "dist_sync_hylo"
 EXIT_SCRIPT_FAILED, EXIT_NO_JOB, EXIT_SETUP = 1, 3, 4
@@ -82,6 +86,29 @@ def create_kvstore(name, timeout):
 
 # ----------------------------------------------------------------------------- the patches
 
+# ImageRecordIter arguments that make a reader random: a reader with none of them
+# set is deterministic, which is what an evaluation reader is (gluoncv's scripts: the
+# training reader shuffles and augments, the validation reader does neither).
+_RANDOM_READER_ARGS = ("shuffle", "rand_crop", "rand_mirror", "random_resized_crop",
+                       "max_rotate_angle", "max_aspect_ratio", "max_shear_ratio",
+                       "max_random_scale", "max_random_area", "pca_noise",
+                       "brightness", "contrast", "saturation", "random_h", "random_s",
+                       "random_l")
+
+
+def is_training_reader(kwargs):
+    """Whether an ImageRecordIter built with ``kwargs`` is a training reader: it
+    shuffles or augments at random (max_random_area counts below its default 1)."""
+    for name in _RANDOM_READER_ARGS:
+        value = kwargs.get(name)
+        if name == "max_random_area":
+            if value is not None and float(value) < 1:
+                return True
+        elif value:
+            return True
+    return False
+
+
 class DistributedPatches:
     """Every monkeypatch mxhylo.run makes, in one place; a context manager, reversible.
 
@@ -92,19 +119,35 @@ class DistributedPatches:
        gradients by 1/(W*b)). Why: the store sums the W workers' gradients and Gluon
        divides by the per-worker batch only, which would make the step W times too
        large. Trainers the script gives a kvstore explicitly are left alone.
-    3. mx.io.ImageRecordIter (and its twin in mxnet.io.io): num_parts=W,
-       part_index=kv.rank are added when the script sets neither. Why: otherwise
-       every worker reads the whole .rec and an epoch shows each sample W times.
-    4. mx.kv.create (mxnet.kvstore.create, which Gluon also calls for a kvstore
+    3. The same Trainers' lr scheduler is read at W times the update count
+       (WorkerPacedSchedule), also after trainer.load_states. Why: the script sizes
+       its schedule in steps of batch b over the whole data set, and each worker
+       takes 1/W of those steps per epoch: the schedule would run W times too slowly
+       (a cosine schedule would end far above 0).
+    4. mx.io.ImageRecordIter (and its twin in mxnet.io.io): a training reader (one
+       that shuffles or augments at random, is_training_reader) gets num_parts=W,
+       part_index=kv.rank when the script sets neither. Why: otherwise every worker
+       reads the whole .rec and an epoch shows each sample W times. A deterministic
+       reader is an evaluation reader and every worker reads all of it, so the
+       accuracy a worker prints is over the whole validation set (the workers'
+       weights are identical). shard_all_readers=True shards every reader, for
+       scripts whose training reader is deterministic.
+    5. mx.kv.create (mxnet.kvstore.create, which Gluon also calls for a kvstore
        string): a distributed name ('dist...' or '...hylo...') returns the job's
        store. Why: ps-lite runs one node per process; a script that creates its own
        'dist_sync' store would otherwise hang forever in the second create. Local
        names ('local', 'device'), and calls from mxhylo's own modules (the hylo
        store's transport makes its native store), still create a new store.
+
+    Not patched: gluon.data.DataLoader and other readers (every worker reads all of
+    them), learning rates or schedules the script computes from steps it counts
+    itself, and Trainers the script gives a kvstore (it is distributed-aware).
     """
 
-    def __init__(self, kv):
+    def __init__(self, kv, shard_all_readers=False, say=None):
         self.kv = kv
+        self.shard_all_readers = bool(shard_all_readers)
+        self.say = say or _say
         self._undo = []
 
     def __enter__(self):
@@ -135,16 +178,38 @@ class DistributedPatches:
                 bound.arguments["kvstore"] = kv
                 trainer_init(*bound.args, **bound.kwargs)
                 trainer._scale /= num_workers
+                trainer._mxhylo_paced = True
+                pace_schedule(trainer, num_workers)
             else:
                 trainer_init(*bound.args, **bound.kwargs)
         self._set(gluon.Trainer, "__init__", init_with_job_store)
 
+        load_states = gluon.Trainer.load_states
+
+        @functools.wraps(load_states)
+        def load_states_paced(trainer, fname):
+            load_states(trainer, fname)         # may bring back a pickled optimizer
+            if getattr(trainer, "_mxhylo_paced", False):
+                pace_schedule(trainer, num_workers)
+        self._set(gluon.Trainer, "load_states", load_states_paced)
+
         rec_iter = mx.io.ImageRecordIter
+        say = self.say
+        shard_all = self.shard_all_readers
 
         @functools.wraps(rec_iter)
         def sharded_rec_iter(*args, **kwargs):
-            if "num_parts" not in kwargs and "part_index" not in kwargs:
+            path = kwargs.get("path_imgrec", "?")
+            if "num_parts" in kwargs or "part_index" in kwargs:
+                pass                            # the script shards it itself
+            elif shard_all or is_training_reader(kwargs):
                 kwargs["num_parts"], kwargs["part_index"] = num_workers, kv.rank
+                say("ImageRecordIter %s: training reader, this worker reads part %d of "
+                    "%d" % (path, kv.rank, num_workers))
+            else:
+                say("ImageRecordIter %s: evaluation reader (no shuffle, no random "
+                    "augmentation), this worker reads all of it (--shard-all-readers "
+                    "to shard it)" % (path,))
             return rec_iter(*args, **kwargs)
         self._set(mx.io, "ImageRecordIter", sharded_rec_iter)
         if getattr(mx.io.io, "ImageRecordIter", None) is rec_iter:
@@ -209,7 +274,7 @@ def run_worker(args):
     set_active(kv)
     _say("kvstore %s: rank %d of %d workers" % (args.kvstore, kv.rank, kv.num_workers))
     try:
-        with DistributedPatches(kv):
+        with DistributedPatches(kv, shard_all_readers=args.shard_all_readers):
             run_script(args.script, args.script_args)
     except SystemExit as exc:
         code = exc.code
@@ -241,6 +306,10 @@ def build_parser():
                    help="a worker gives up (exit code %d) if it has not joined the job "
                         "by then; 0: wait forever (default $MXHYLO_CONNECT_TIMEOUT or "
                         "120)" % EXIT_NO_JOB)
+    p.add_argument("--shard-all-readers", action="store_true",
+                   help="shard every mx.io.ImageRecordIter across the workers, not only "
+                        "training readers (those that shuffle or augment at random): for "
+                        "scripts whose training reader is deterministic")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER,
                    help="its arguments (everything after SCRIPT)")

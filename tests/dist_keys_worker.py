@@ -6,6 +6,9 @@
         random gradients through layers cut into several chunks; writes OUT.npz too
     python tests/dist_keys_worker.py save-alone OUT  only rank 0 saves a compressed-pull
         checkpoint (a collective call): the job must fail within the time limit
+    python tests/dist_keys_worker.py startup:SEED OUT  keys made between and inside
+        exchanges (new layers and new buckets mid-training), every call to MXNet's
+        store delayed at random (seeded by SEED and rank): the sums must be exact
 OUT may contain {rank}; the worker writes its results there as JSON.
 """
 import json
@@ -72,6 +75,51 @@ def save_alone():
         kv.save_residuals(out.format(rank=kv.rank) + ".ckpt")
     kv.pushpull("fc", mx.nd.ones((64, 256)))
 
+
+def startup(seed):
+    """Start-up under shaken timing: layers and buckets appear during training."""
+    import random
+    import time
+    kv = mxhylo.create("dist_sync_hylo", size_threshold=1024, compress_pull=False)
+    native = kv.transport.kv
+    rng = random.Random(seed * 1000 + kv.rank)
+    for name in ("push", "pull", "init", "row_sparse_pull", "_barrier", "set_optimizer"):
+        call = getattr(native, name)
+
+        def late(*args, _call=call, **kwargs):
+            time.sleep(rng.random() * 0.02)
+            return _call(*args, **kwargs)
+        setattr(native, name, late)       # this instance only
+    shapes = {"b1": (32,), "b2": (64,), "conv": (64, 32, 3, 3), "b3": (7, 3),
+              "fc": (256, 300), "b4": (10,), "late_small": (5, 5), "late_conv": (16, 8, 3, 3)}
+    ok = True
+    steps = [["b1", "conv", "b2", "b3", "fc"],              # first bucket, compressed
+             ["b1", "conv", "b2", "b3", "fc", "b4"],        # a new layer, a new bucket
+             ["b4", "b2", "late_small", "late_conv"],       # two more layers mid-training
+             ["b1", "b2", "b3", "b4", "late_small"]]        # another bucket
+    seen = set()
+    for step, keys in enumerate(steps):
+        new = [k for k in keys if k not in seen]
+        kv.broadcast(new, [mx.nd.zeros(shapes[k]) for k in new],
+                     out=[mx.nd.zeros(shapes[k]) for k in new])
+        seen.update(new)
+        grads = [mx.nd.full(shapes[k], float((kv.rank + 1) * (step + 1) + i))
+                 for i, k in enumerate(keys)]
+        kv.pushpull(keys, grads)
+        for i, (k, g) in enumerate(zip(keys, grads)):
+            want = sum((r + 1) * (step + 1) + i for r in range(kv.num_workers))
+            ok &= bool(np.all(g.asnumpy() == want))     # warm-up: compressed layers exact
+    json.dump({"ok": ok, "rank": kv.rank, "buckets": len(kv.transport._bucket_keys)},
+              open(out.format(rank=kv.rank), "w"))
+    for name in ("push", "pull", "init", "row_sparse_pull", "_barrier", "set_optimizer"):
+        # the delays hold the store in a reference cycle: break it, or the store would
+        # be destroyed late in interpreter teardown, after the engine it waits on
+        delattr(native, name)
+
+
+if mode.startswith("startup:"):
+    startup(int(mode[len("startup:"):]))
+    sys.exit(0)
 
 if mode == "save-alone":
     save_alone()

@@ -148,3 +148,26 @@ def test_server_that_cannot_import_mxhylo_ends_the_job(tmp_path):
     assert proc.returncode != 0
     assert "do not run hylo's decoder" in text, text[-3000:]
     assert seconds < 100
+
+
+def _startup_launches(tmp_path, launches):
+    """``launches`` jobs in a row of dist_keys_worker.py startup: every one must end
+    well, with exact sums (a key reaching a server before its init aborts the server)."""
+    for seed in range(launches):
+        proc, out, _ = launch_keys_worker(tmp_path, "startup:%d" % seed, timeout=90)
+        assert proc.returncode == 0, "launch %d of %d: %s" % (
+            seed + 1, launches, proc.stdout[-3000:] + proc.stderr[-3000:])
+        for rank in range(2):
+            report = json.load(open(out.format(rank=rank)))
+            assert report["ok"], (seed, report)
+            assert report["buckets"] == 4, report      # one per step: each made mid-training
+
+
+def test_keys_made_during_training_under_shaken_timing(tmp_path):
+    _startup_launches(tmp_path, 4)
+
+
+@pytest.mark.slow
+def test_keys_made_during_training_50_launches(tmp_path):
+    """The issue's bar: 50 consecutive start-ups (python -m pytest --runslow)."""
+    _startup_launches(tmp_path, 50)

@@ -394,7 +394,8 @@ def test_run_unmodified_script_equals_one_process_with_double_batch(tmp_path, kv
     (tmp_path / "dist").mkdir()
     (tmp_path / "single").mkdir()
     rc, out, secs = run_launcher(
-        ["-n", "2", "-s", "1", PY, "-m", "mxhylo.run", "--kvstore", kvstore, STANDIN,
+        ["-n", "2", "-s", "1", PY, "-m", "mxhylo.run", "--kvstore", kvstore,
+         "--shard-all-readers", STANDIN,      # its training reader is deterministic
          "--rec-train", str(rec), "--batch-size", str(b), "--save-dir",
          str(tmp_path / "dist")] + common, tmp_path)
     assert rc == 0, out
@@ -415,6 +416,67 @@ def test_run_unmodified_script_equals_one_process_with_double_batch(tmp_path, kv
     init = _standin_init()       # in collect_params order, as the script saved them
     moved = max(np.abs(ref[k] - v).max() for k, v in zip(ref.files, init))
     assert moved > 1e-2
+
+
+@pytest.mark.timeout(120)
+def test_run_keeps_schedule_and_validation_of_unmodified_script(tmp_path):
+    """mxhylo.run: the script's cosine schedule (sized from the sample count) ends where
+    one process with batch 2b ends it, the training reader is sharded, the validation
+    reader is read whole by each worker."""
+    b, n_train, n_val = 32, 256, 96
+    rec, val = tmp_path / "train.rec", tmp_path / "val.rec"
+    _digits_rec(rec, n_train)
+    _digits_rec(val, n_val)
+    common = ["--rec-train", str(rec), "--rec-val", str(val), "--shuffle",
+              "--lr-mode", "cosine", "--num-training-samples", str(n_train),
+              "--num-epochs", "2", "--save-dir", str(tmp_path)]
+    # dist_sync_hylo: the workers run the optimizer, so they can print its lr
+    rc, out, _ = run_launcher(["-n", "2", "-s", "1", PY, "-m", "mxhylo.run", "--kvstore",
+                               "dist_sync_hylo", STANDIN, "--batch-size", str(b)] + common,
+                              tmp_path)
+    assert rc == 0, out
+    assert out.count("epoch 1: 4 batches") == 2, out          # each worker read half
+    assert out.count("training reader, this worker reads part") == 2, out
+    assert out.count("validation: %d samples" % n_val) == 2, out     # the whole set
+    single = subprocess.run(
+        [PY, "-m", "mxhylo.run", STANDIN, "--batch-size", str(2 * b)] + common,
+        cwd=str(tmp_path), env=clean_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, timeout=60).stdout.decode()
+    assert "final lr 0 after 8 updates" in single, single
+    # Without pacing each worker would be half-way through the cosine (lr 0.05).
+    assert out.count("final lr 0 after 8 updates") == 2, out
+
+
+def test_run_patch_helpers():
+    """Which readers mxhylo.run shards; the paced schedule reads, delegates, pickles."""
+    import pickle
+    import mxnet as mx
+    from mxhylo.paced_schedule import WorkerPacedSchedule, pace_schedule
+    from mxhylo.run import is_training_reader
+    assert is_training_reader({"shuffle": True})
+    assert is_training_reader({"rand_mirror": True, "shuffle": False})
+    assert is_training_reader({"max_random_area": 1, "min_random_area": 0.08,
+                               "random_resized_crop": True})
+    assert is_training_reader({"max_random_area": 0.5})
+    assert not is_training_reader({"shuffle": False, "resize": 36, "max_random_area": 1})
+    assert not is_training_reader({})
+    inner = mx.lr_scheduler.FactorScheduler(step=10, factor=0.5, base_lr=1.0)
+    paced = WorkerPacedSchedule(inner, 4)
+    assert paced(3) == 0.5 and paced.base_lr == 1.0          # read at update 12
+    paced.base_lr = 2.0
+    assert inner.base_lr == 2.0
+    back = pickle.loads(pickle.dumps(paced, 0))     # as MXNet sends it to the servers
+    assert type(back) is WorkerPacedSchedule and back(3) == 1.0 and back.base_lr == 2.0
+    opt = mx.optimizer.SGD(learning_rate=1.0, lr_scheduler=mx.lr_scheduler.FactorScheduler(
+        step=10, factor=0.5))
+
+    class T:
+        _optimizer = opt
+    pace_schedule(T, 2)
+    pace_schedule(T, 2)                 # again (after load_states): not paced twice
+    assert isinstance(opt.lr_scheduler, WorkerPacedSchedule)
+    assert not isinstance(opt.lr_scheduler.schedule, WorkerPacedSchedule)
+    assert opt.lr_scheduler(6) == 0.5
 
 
 def _standin_init():
