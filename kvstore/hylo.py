@@ -282,10 +282,16 @@ class Hylo(KVStoreBase):
     def _pushpull_trainer_step(self, trainer, key):
         """Gluon's Trainer pushes one key per call; exchange its whole step at once.
 
-        When Trainer._allreduce_grads asks for its first key, backward() has finished
+        When Trainer._allreduce_grads asks for its first key, backward() has queued
         every gradient, so the store exchanges all of the step's keys in one call:
         small layers travel fused in buckets and every push is on the wire before the
         first pull. The Trainer's later calls in that loop find their key done.
+
+        The keys go last layer first. MXNet's engine runs backward after backward()
+        returns, and produces the last layers' gradients first: in that order each
+        encode waits only for its own gradient, and the first pushes leave while the
+        engine is still computing the first layers' gradients. The order changes no
+        value (every layer's sum is its own), only when it leaves.
         """
         if key in self._done_in_step:
             self._done_in_step.discard(key)
@@ -294,6 +300,7 @@ class Hylo(KVStoreBase):
                 if i >= key and p.grad_req != "null" and p.list_grad()[0].stype == "default"]
         if key not in keys:     # not a dense gradient of the Trainer: exchange it alone
             keys = [key]
+        keys.reverse()          # in the order backward produces them
         grads = [trainer._params[i].list_grad() for i in keys]
         self._momentum = self._momentum_context(trainer)
         try:

@@ -116,9 +116,12 @@ class DistributedPatches:
        default 'device') gets the job's store. Why: 'device' is a single-machine
        store, so each worker would silently train its own model.
     2. The same Trainers get ``_scale /= num_workers`` (Trainer.step(b) then rescales
-       gradients by 1/(W*b)). Why: the store sums the W workers' gradients and Gluon
-       divides by the per-worker batch only, which would make the step W times too
-       large. Trainers the script gives a kvstore explicitly are left alone.
+       gradients by 1/(W*b)), and update on the workers (update_on_kvstore=False
+       unless the script says otherwise). Why: the store sums the W workers'
+       gradients and Gluon divides by the per-worker batch only, which would make the
+       step W times too large; and over MXNet's dist_sync a Trainer that updates on
+       the servers cannot save_states (gluoncv's scripts do, at every best epoch).
+       Trainers the script gives a kvstore explicitly are left alone.
     3. The same Trainers' lr scheduler is read at W times the update count
        (WorkerPacedSchedule), also after trainer.load_states. Why: the script sizes
        its schedule in steps of batch b over the whole data set, and each worker
@@ -176,6 +179,9 @@ class DistributedPatches:
             bound = signature.bind(trainer, *args, **kwargs)
             if bound.arguments.get("kvstore", "device") == "device":
                 bound.arguments["kvstore"] = kv
+                # the workers update: over dist_sync MXNet could not save_states the
+                # servers' optimizer, and the lr the script prints is the one used
+                bound.arguments.setdefault("update_on_kvstore", False)
                 trainer_init(*bound.args, **bound.kwargs)
                 trainer._scale /= num_workers
                 trainer._mxhylo_paced = True

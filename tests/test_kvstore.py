@@ -211,6 +211,47 @@ def test_trainer_names_from_gluon_and_policy_regex():
     assert layers[net.weight.name]["policy"] == "fc_2bit"
 
 
+def test_trainer_step_exchanges_last_layer_first_and_order_changes_no_value():
+    """The Trainer's step reaches the transport last layer first (the order backward
+    produces gradients); the same keys exchanged first layer first give bitwise the
+    same outputs, residuals included, over several compressed steps."""
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Conv2D(32, 3, in_channels=16), gluon.nn.Dense(64, in_units=32 * 36),
+            gluon.nn.Dense(10, in_units=64))
+    net.initialize(ctx=CTX2)
+    kv = mxhylo.create(warmup_steps=0)
+    seen = []
+    exchange = kv.transport.exchange
+
+    def recording(items):
+        items = list(items)
+        seen.append([layer.plan.name for layer, _, _ in items])
+        return exchange(items)
+    kv.transport.exchange = recording
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore=kv)
+    with mx.autograd.record():
+        losses = [net(mx.nd.ones((2, 16, 8, 8), ctx=c)).sum() for c in CTX2]
+    mx.autograd.backward(losses)
+    trainer.step(4)
+    names = [p.name for p in trainer._params]        # the Trainer's key order
+    assert seen == [names[::-1]] and names[0].startswith("conv0")
+
+    rng = np.random.RandomState(3)
+    shapes = {"conv": (64, 32, 3, 3), "fc": (64, 1152), "bias": (64,), "out": (10, 64)}
+    keys = sorted(shapes)
+    steps = [[rng.normal(0, 1, shapes[k]).astype(np.float32) for k in keys] for _ in range(4)]
+    forward, backward = mxhylo.create(warmup_steps=0), mxhylo.create(warmup_steps=0)
+    for grads in steps:
+        a = [mx.nd.array(g) for g in grads]
+        b = [mx.nd.array(g) for g in grads][::-1]
+        forward.pushpull(keys, a)
+        backward.pushpull(keys[::-1], b)
+        for x, y, k in zip(a, b[::-1], keys):
+            np.testing.assert_array_equal(x.asnumpy(), y.asnumpy(), err_msg=k)
+    policies = {p.strategy for p in forward.plans().values()}
+    assert policies == {"none", "conv_topk", "fc_2bit"}      # every codec took part
+
+
 def test_trainer_with_compression_off_equals_device_kvstore():
     """policy {'.*': 'none'}: hylo trains exactly like MXNet's 'device' kvstore."""
     from mxhylo.digits import train
