@@ -132,8 +132,9 @@ class DistributedPatches:
        part_index=kv.rank when the script sets neither. Why: otherwise every worker
        reads the whole .rec and an epoch shows each sample W times. A deterministic
        reader is an evaluation reader and every worker reads all of it, so the
-       accuracy a worker prints is over the whole validation set (the workers'
-       weights are identical). shard_all_readers=True shards every reader, for
+       accuracy a worker prints is over the whole validation set (trained weights
+       are the same on every worker; BatchNorm running statistics are each worker's
+       own). shard_all_readers=True shards every reader, for
        scripts whose training reader is deterministic.
     5. mx.kv.create (mxnet.kvstore.create, which Gluon also calls for a kvstore
        string): a distributed name ('dist...' or '...hylo...') returns the job's

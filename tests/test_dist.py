@@ -168,6 +168,7 @@ def test_keys_made_during_training_under_shaken_timing(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(50 * 60)
 def test_keys_made_during_training_50_launches(tmp_path):
     """The issue's bar: 50 consecutive start-ups (python -m pytest --runslow)."""
     _startup_launches(tmp_path, 50)

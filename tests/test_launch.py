@@ -460,13 +460,15 @@ def test_run_patch_helpers():
     assert is_training_reader({"max_random_area": 0.5})
     assert not is_training_reader({"shuffle": False, "resize": 36, "max_random_area": 1})
     assert not is_training_reader({})
-    inner = mx.lr_scheduler.FactorScheduler(step=10, factor=0.5, base_lr=1.0)
+    inner = mx.lr_scheduler.PolyScheduler(max_update=20, base_lr=1.0, pwr=1)
     paced = WorkerPacedSchedule(inner, 4)
-    assert paced(3) == 0.5 and paced.base_lr == 1.0          # read at update 12
-    paced.base_lr = 2.0
-    assert inner.base_lr == 2.0
+    assert abs(paced(3) - 0.4) < 1e-12                  # read at update 12 of 20
+    assert paced.max_update == 20                       # attributes are the schedule's
+    paced.final_lr = 0.1
+    assert inner.final_lr == 0.1
     back = pickle.loads(pickle.dumps(paced, 0))     # as MXNet sends it to the servers
-    assert type(back) is WorkerPacedSchedule and back(3) == 1.0 and back.base_lr == 2.0
+    assert type(back) is WorkerPacedSchedule and back.num_workers == 4
+    assert type(back.schedule) is mx.lr_scheduler.PolyScheduler and back.final_lr == 0.1
     opt = mx.optimizer.SGD(learning_rate=1.0, lr_scheduler=mx.lr_scheduler.FactorScheduler(
         step=10, factor=0.5))
 
