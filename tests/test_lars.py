@@ -597,3 +597,14 @@ def test_bf16_amp_refused_before_onednn_fails():
     assert "CAPPED: bfloat16 AMP" in out.stdout and "DNNL_MAX_CPU_ISA=AVX2" in out.stdout
     assert "PROBED: bfloat16 AMP" in out.stdout
     assert "lacks: avx512f, avx512bw, avx512vl, avx512dq" in out.stdout
+
+
+def test_bench_lars_bf16_refused_with_a_clear_error():
+    """bench lars --dtype bfloat16 on a CPU (here: oneDNN capped at AVX2) without
+    MXNet's bf16 kernels stops at once, naming what is missing, before any training."""
+    env = dict(os.environ, DNNL_MAX_CPU_ISA="AVX2")
+    out = subprocess.run([sys.executable, "-m", "mxhylo.bench", "lars", "--dtype", "bfloat16"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode != 0
+    assert "bench lars --dtype bfloat16 needs a CPU with AVX-512" in out.stderr, out.stderr[-2000:]
+    assert "DNNL_MAX_CPU_ISA=AVX2" in out.stderr

@@ -98,6 +98,8 @@ def train_digits(method, batch_size, epochs, seed, lr, warmup_epochs=0.0, wd=1e-
 def run(args):
     if args.dtype == "bfloat16":
         from mxnet.contrib import amp
+        from mxhylo.lars import check_bf16_support
+        check_bf16_support("bench lars --dtype bfloat16")    # a clear error on AVX2-only CPUs
         amp.init(target_dtype="bfloat16")
     methods = [m for m in args.methods.split(",") if m]
     unknown = set(methods) - set(METHODS)
