@@ -257,21 +257,7 @@ def test_not_root_says_so(monkeypatch):
     assert "needs root" in str(exc.value.code)
 
 
-def _namespaces_usable():
-    if netns.check_capable():
-        return False
-    name = "mxhcomm%d-probe" % os.getpid()
-    try:
-        ok = subprocess.run(["ip", "netns", "add", name], capture_output=True,
-                            timeout=20).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    if ok:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
-    return ok
-
-
-needs_netns = pytest.mark.skipif(not _namespaces_usable(),
+needs_netns = pytest.mark.skipif(not netns.namespaces_usable(),
                                  reason="needs root and iproute2 to create network namespaces")
 
 

@@ -114,6 +114,21 @@ def check_capable():
     return None
 
 
+def namespaces_usable():
+    """Whether a network namespace can really be made here: check_capable() passes and
+    a probe namespace is created and deleted (root in a container may lack the right)."""
+    if check_capable():
+        return False
+    name = "mxhcomm%d-probe" % os.getpid()
+    try:
+        ok = _run(["ip", "netns", "add", name], check=False).returncode == 0
+    except NetnsError:
+        return False
+    if ok:
+        _run(["ip", "netns", "del", name], check=False)
+    return ok
+
+
 def _run(cmd, check=True):
     try:
         res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
