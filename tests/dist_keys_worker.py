@@ -8,7 +8,8 @@
         checkpoint (a collective call): the job must fail within the time limit
     python tests/dist_keys_worker.py startup:SEED OUT  keys made between and inside
         exchanges (new layers and new buckets mid-training), every call to MXNet's
-        store delayed at random (seeded by SEED and rank): the sums must be exact
+        store delayed at random (seeded by SEED and rank), compress_pull by SEED % 4:
+        the sums must be exact
 OUT may contain {rank}; the worker writes its results there as JSON.
 """
 import json
@@ -80,7 +81,9 @@ def startup(seed):
     """Start-up under shaken timing: layers and buckets appear during training."""
     import random
     import time
-    kv = mxhylo.create("dist_sync_hylo", size_threshold=1024, compress_pull=False)
+    # every pull mode in turn: each lays out its keys differently
+    pull = [False, "gather", "layer", "2bit"][seed % 4]
+    kv = mxhylo.create("dist_sync_hylo", size_threshold=1024, compress_pull=pull)
     native = kv.transport.kv
     rng = random.Random(seed * 1000 + kv.rank)
     for name in ("push", "pull", "init", "row_sparse_pull", "_barrier", "set_optimizer"):
