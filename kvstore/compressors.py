@@ -70,6 +70,13 @@ class Compressor:
         """Write (or with accumulate, add) the decoded payload into float32 NDArray ``out``."""
         raise NotImplementedError
 
+    def zero_sent(self, payload, values, out):
+        """``out[:] = values`` with every element the payload sent set to 0 (float32
+        NDArrays of the payload's shape; momentum factor masking). Sent: decoded != 0."""
+        sent = mx.nd.zeros(values.shape, ctx=values.context, dtype=np.float32)
+        self.decode(payload, sent)
+        mx.nd.elemwise_mul(values, sent == 0, out=out)
+
 
 class NoCompression(Compressor):
     """Small layers travel as they are (float32), with no residual."""
@@ -155,6 +162,17 @@ class ConvTopK(Compressor):
     def decode(self, payload, out, accumulate=False):
         indices, values = payload.arrays
         ops.scatter_kernels(indices, values, payload.shape, out=out, accumulate=accumulate)
+
+    def zero_sent(self, payload, values, out):
+        """Every element of a sent filter counts as sent (one pass, no decode)."""
+        indices = payload.arrays[0]
+        filters = payload.shape[0]
+        if not indices.size:
+            out[:] = values
+            return
+        keep = 1 - mx.nd.one_hot(indices, filters).sum(axis=0)     # (filters,) 0 or 1
+        mx.nd.broadcast_mul(values.reshape((filters, -1)), keep.reshape((filters, 1)),
+                            out=out.reshape((filters, -1)))
 
 
 def make_compressors(threshold_scale=1.0):

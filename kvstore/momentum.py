@@ -63,11 +63,8 @@ def accumulate(name, grad, memory, ctx):
 
 def mask_sent(name, velocity, payload, compressor, memory):
     """Factor masking: the layer's velocity becomes ``velocity`` with every sent element
-    zeroed (decoded payload != 0)."""
-    sent = mx.nd.zeros(velocity.shape, ctx=velocity.context, dtype=np.float32)
-    compressor.decode(payload, sent)
-    u = memory.array(name, "velocity", velocity)
-    u[:] = velocity * (sent == 0)
+    zeroed (what "sent" means is the codec's: Compressor.zero_sent)."""
+    compressor.zero_sent(payload, velocity, memory.array(name, "velocity", velocity))
 
 
 def correct(name, aggregate, memory, ctx):
@@ -75,8 +72,10 @@ def correct(name, aggregate, memory, ctx):
     into what the optimizer must receive, and remember it for the next step."""
     previous = memory.array(name, "previous_aggregate", aggregate)
     last_rescale = memory.scalar(name, "previous_rescale")
-    raw = aggregate.copy()
-    if last_rescale is not None:
-        aggregate[:] = aggregate - previous * (ctx.momentum * last_rescale / ctx.rescale)
-    previous[:] = raw
+    if last_rescale is None:
+        previous[:] = aggregate
+    else:       # three passes: scale the previous one, keep this one, subtract
+        scaled = previous * (ctx.momentum * last_rescale / ctx.rescale)
+        previous[:] = aggregate
+        aggregate -= scaled
     memory.set_scalar(name, "previous_rescale", ctx.rescale)

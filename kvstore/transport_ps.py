@@ -402,20 +402,8 @@ class PSTransport:
             flat = payload.arrays[0].reshape((-1,))
             return [(flat[c.lo:c.hi], 4 * c.size) for _, c in chunks]
         if payload.strategy == "conv_topk":
-            indices, values = (a.asnumpy() for a in payload.arrays)
-            values = values.reshape(len(indices), -1)
-            pushes = []
-            for _, c in chunks:
-                mine = (indices >= c.lo) & (indices < c.hi)
-                rows = indices[mine] - c.lo
-                data = np.zeros((max(len(rows), 1), c.cols), np.float32)
-                data[:len(rows)] = values[mine]
-                if not len(rows):
-                    # sync mode waits for every worker's push of a key: a worker with
-                    # no filter in this chunk pushes one all-zero row, which adds nothing
-                    rows = np.zeros(1, np.int64)
-                pushes.append(self._row_sparse(c, data, rows))
-            return pushes
+            spans = self._topk_spans(chunks, payload.arrays[0])
+            return [self._topk_push(c, a, b, payload) for (_, c), (a, b) in zip(chunks, spans)]
         codes, threshold = payload.arrays[0].asnumpy().view(np.uint8), payload.scalars[0]
         pushes = []
         for _, c in chunks:
@@ -426,6 +414,32 @@ class PSTransport:
             rows = self.rank * c.slot_rows + np.arange(c.slot_rows)
             pushes.append(self._row_sparse(c, data, rows))
         return pushes
+
+    @staticmethod
+    def _topk_spans(chunks, indices):
+        """Per chunk, the span [a, b) of the payload's (ascending) filter indices that
+        fall in it. A layer in one chunk needs no look at the indices; a split layer
+        reads only the k indices (not the values) to the host."""
+        if len(chunks) == 1:
+            return [(0, indices.shape[0])]
+        idx = indices.asnumpy()
+        return [tuple(int(x) for x in np.searchsorted(idx, [c.lo, c.hi])) for _, c in chunks]
+
+    def _topk_push(self, chunk, a, b, payload):
+        """(row_sparse push, bytes) of a conv_topk payload's rows a..b-1 in ``chunk``:
+        row ids are the filters' indices in the chunk, data their values, both taken
+        from the payload's NDArrays (no numpy round trip)."""
+        indices, values = payload.arrays
+        if b == a:
+            # sync mode waits for every worker's push of a key: a worker with no
+            # filter in this chunk pushes one all-zero row, which adds nothing
+            return self._row_sparse(chunk, np.zeros(chunk.cols, np.float32),
+                                    np.zeros(1, np.int64))
+        rows = indices[a:b] if chunk.lo == 0 else indices[a:b] - chunk.lo
+        data = values.reshape((values.shape[0], -1))[a:b]
+        value = mx.nd.sparse.row_sparse_array((data, rows.astype(np.int64)),
+                                              shape=chunk.key_shape)
+        return value, (b - a) * (4 * chunk.cols + _ROW_ID_BYTES)
 
     # -- the servers' state (compressed pull), for checkpoints ---------------------------
 
