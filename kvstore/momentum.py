@@ -29,7 +29,8 @@ rescale) lives in the layer's ResidualMemory, so it is part of checkpoints.
 from dataclasses import dataclass
 
 import mxnet as mx
-import numpy as np
+
+from .. import ops
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,7 @@ def from_optimizer(optimizer):
 def accumulate(name, grad, memory, ctx):
     """The velocity ``m * u + grad`` (a new float32 NDArray) of layer ``name``; ``u``
     itself changes only in :func:`mask_sent`, after a successful encode."""
-    u = memory.array(name, "velocity", grad)
-    g = grad if grad.dtype == np.float32 else grad.astype(np.float32)
-    return u * ctx.momentum + g
+    return ops.momentum_velocity(grad, memory.array(name, "velocity", grad), ctx.momentum)
 
 
 def mask_sent(name, velocity, payload, compressor, memory):
@@ -74,8 +73,6 @@ def correct(name, aggregate, memory, ctx):
     last_rescale = memory.scalar(name, "previous_rescale")
     if last_rescale is None:
         previous[:] = aggregate
-    else:       # three passes: scale the previous one, keep this one, subtract
-        scaled = previous * (ctx.momentum * last_rescale / ctx.rescale)
-        previous[:] = aggregate
-        aggregate -= scaled
+    else:
+        ops.momentum_correct(aggregate, previous, ctx.momentum * last_rescale / ctx.rescale)
     memory.set_scalar(name, "previous_rescale", ctx.rescale)

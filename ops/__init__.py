@@ -31,7 +31,7 @@ import numpy as np
 from . import _checks, _cpp, build, reference
 
 __all__ = ["backend", "quantize_2bit", "l1_stats", "dequantize_2bit", "select_kernels",
-           "scatter_kernels", "set_num_threads", "reference", "build"]
+           "scatter_kernels", "momentum_velocity", "momentum_correct", "set_num_threads", "reference", "build"]
 
 _lock = threading.Lock()
 _backend = []  # [name] once resolved
@@ -178,3 +178,39 @@ def scatter_kernels(indices, values, shape, out=None, accumulate=False):
     if _use_cpp(values):
         return _cpp.scatter_kernels(indices, values, shape, out, accumulate)
     return reference._scatter_kernels(indices, values, shape, out, accumulate)
+
+
+def momentum_velocity(grad, velocity, momentum, out=None):
+    """The momentum-corrected gradient of DGC: v = velocity * m + float32(grad).
+
+    grad: float32|float16, any shape. velocity: float32, same shape (read
+    only). momentum: finite float, rounded to float32 (m). out: optional
+    float32 NDArray of the shape (may be `velocity` itself). One IEEE multiply
+    then one add per element, never fused, so the bits equal MXNet's
+    ``velocity * m + grad``; NaN and Inf propagate (which NaN, when both
+    operands are NaN, is not specified). Returns out or a new array.
+    """
+    m, text = _checks.finite32(momentum, "momentum", "momentum_velocity")
+    _checks.grad_residual(grad, velocity, "momentum_velocity", "velocity")
+    _checks.out_array(out, grad.shape, grad.context, "momentum_velocity")
+    if _use_cpp(grad):
+        return _cpp.momentum_velocity(grad, velocity, text, out)
+    return reference._momentum_velocity(grad, velocity, float(m), out)
+
+
+def momentum_correct(aggregate, previous, factor):
+    """What a momentum optimizer must receive after momentum-corrected sends.
+
+    aggregate: float32, any shape, UPDATED IN PLACE to aggregate - previous * f.
+    previous: float32, same shape, UPDATED IN PLACE to the old aggregate.
+    factor: finite float, rounded to float32 (f). One IEEE multiply then one
+    subtract per element, never fused (the bits of MXNet's ``a - p * f``);
+    NaN and Inf propagate. Returns aggregate.
+    """
+    f, text = _checks.finite32(factor, "factor", "momentum_correct")
+    _checks.ndarray(aggregate, "aggregate", (np.float32,), "momentum_correct")
+    _checks.ndarray(previous, "previous", (np.float32,), "momentum_correct")
+    _checks.same_shape("momentum_correct", ("aggregate", aggregate), ("previous", previous))
+    if _use_cpp(aggregate):
+        return _cpp.momentum_correct(aggregate, previous, text)
+    return reference._momentum_correct(aggregate, previous, float(f))

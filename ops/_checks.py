@@ -36,14 +36,15 @@ def same_context(op, *named):
                 op, name, x.context, named[0][0], ctx))
 
 
-def grad_residual(grad, residual, op):
-    """grad float32|float16 and residual float32 of the same shape and context."""
+def grad_residual(grad, residual, op, name="residual"):
+    """grad float32|float16 and ``name`` (residual) float32 of the same shape and
+    context."""
     ndarray(grad, "grad", GRAD_DTYPES, op)
-    ndarray(residual, "residual", (np.float32,), op)
+    ndarray(residual, name, (np.float32,), op)
     if grad.shape != residual.shape:
-        raise ValueError("%s: grad shape %s and residual shape %s differ" % (
-            op, grad.shape, residual.shape))
-    same_context(op, ("grad", grad), ("residual", residual))
+        raise ValueError("%s: grad shape %s and %s shape %s differ" % (
+            op, grad.shape, name, residual.shape))
+    same_context(op, ("grad", grad), (name, residual))
 
 
 def threshold32(threshold, op):
@@ -57,6 +58,28 @@ def threshold32(threshold, op):
     text = "%.9g" % float(t)  # 9 significant digits identify any float32
     assert np.float32(text) == t
     return t, text
+
+
+def finite32(value, name, op):
+    """Round to float32; return (np.float32 v, attribute text that parses back to v)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError("%s: %s must be a real number, got %r" % (op, name, value))
+    v = np.float32(value)
+    if not math.isfinite(float(v)):
+        raise ValueError("%s: %s must be finite as float32, got %r" % (op, name, value))
+    text = "%.9g" % float(v)
+    assert np.float32(text) == v
+    return v, text
+
+
+def same_shape(op, *named):
+    """Require all (name, array) pairs to have one shape and one context."""
+    shape = named[0][1].shape
+    for name, x in named[1:]:
+        if x.shape != shape:
+            raise ValueError("%s: %s has shape %s but %s has shape %s" % (
+                op, name, x.shape, named[0][0], shape))
+    same_context(op, *named)
 
 
 def shape_tuple(shape, op):

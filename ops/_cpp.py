@@ -47,3 +47,12 @@ def scatter_kernels(indices, values, shape, out, accumulate):
     if out is not None and accumulate:
         return mx.nd.hylo_scatter_kernels_add(indices, values, out, out=out)
     return mx.nd.hylo_scatter_kernels(indices, values, shape=_checks.shape_text(shape), out=out)
+
+
+def momentum_velocity(grad, velocity, momentum_text, out):
+    return mx.nd.hylo_momentum_velocity(grad, velocity, momentum=momentum_text, out=out)
+
+
+def momentum_correct(aggregate, previous, factor_text):
+    # in place: MXNet hands `aggregate` to the op as input and output
+    return mx.nd.hylo_momentum_correct(aggregate, previous, factor=factor_text, out=aggregate)

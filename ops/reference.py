@@ -196,3 +196,35 @@ def _scatter_kernels(indices, values, shape, out, accumulate):
         return dense
     out[:] = dense
     return out
+
+
+def momentum_velocity(grad, velocity, momentum, out=None):
+    """See mxhylo.ops.momentum_velocity."""
+    m, _ = _checks.finite32(momentum, "momentum", "momentum_velocity")
+    _checks.grad_residual(grad, velocity, "momentum_velocity", "velocity")
+    _checks.out_array(out, grad.shape, grad.context, "momentum_velocity")
+    return _momentum_velocity(grad, velocity, float(m), out)
+
+
+def _momentum_velocity(grad, velocity, m, out):
+    v = velocity * m + grad.astype(np.float32, copy=False)
+    if out is None:
+        return v
+    out[:] = v
+    return out
+
+
+def momentum_correct(aggregate, previous, factor):
+    """See mxhylo.ops.momentum_correct."""
+    f, _ = _checks.finite32(factor, "factor", "momentum_correct")
+    _checks.ndarray(aggregate, "aggregate", (np.float32,), "momentum_correct")
+    _checks.ndarray(previous, "previous", (np.float32,), "momentum_correct")
+    _checks.same_shape("momentum_correct", ("aggregate", aggregate), ("previous", previous))
+    return _momentum_correct(aggregate, previous, float(f))
+
+
+def _momentum_correct(aggregate, previous, f):
+    scaled = previous * f
+    previous[:] = aggregate
+    aggregate -= scaled
+    return aggregate

@@ -106,6 +106,26 @@ def np_scatter(idx, values, shape):
     return dense.reshape(shape)
 
 
+def canon(x):
+    """float32 bits with every NaN as one quiet NaN: which of two NaN operands an add
+    passes on (and its sign) is the compiler's operand order, not part of a contract."""
+    x = np.array(x, dtype=F32)
+    x[np.isnan(x)] = np.nan
+    return bits(x)
+
+
+def np_velocity(g, u, m):
+    """v = u * float32(m) + float32(g), one rounding after each operation."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (u * F32(m)).astype(F32) + g.astype(F32)
+
+
+def np_correct(a, p, f):
+    """-> (a - p * float32(f), a): the new aggregate and the new previous."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return a - (p * F32(f)).astype(F32), a.copy()
+
+
 # ------------------------------------------------------------------ helpers
 @pytest.fixture(params=["cpp", "reference"])
 def impl(request):
@@ -385,6 +405,75 @@ def test_scatter_rejects_bad_indices(impl, idx):
     assert not out.asnumpy().any()  # checked before any write
 
 
+# ------------------------------------------------------ momentum correction
+MOMENTUM_EDGES = [np.nan, np.inf, -np.inf, 0.0, -0.0, 3e38, -3e38, 1e-45]
+
+
+def _with_edges(x, seed):
+    if x.size >= 17:
+        flat = x.reshape(-1)
+        flat[np.random.RandomState(seed).choice(flat.size, 8, replace=False)] = MOMENTUM_EDGES
+    return x
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(70001,)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_momentum_velocity_matches_numpy(impl, shape, dtype):
+    g, u = data(shape, seed=shape[0] + 7, dtype=dtype)
+    g, u = _with_edges(g, 1), _with_edges(u, 2)
+    for m in (0.9, 0.0, 1.0 / 3.0):
+        v = impl.momentum_velocity(nd(g), nd(u), m)
+        assert v.dtype == F32 and v.shape == shape
+        np.testing.assert_array_equal(canon(v.asnumpy()), canon(np_velocity(g, u, m)))
+    out, before = nd(u), u.copy()          # out may be the velocity itself
+    impl.momentum_velocity(nd(g), out, 0.9, out=out)
+    np.testing.assert_array_equal(canon(out.asnumpy()), canon(np_velocity(g, before, 0.9)))
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(70001,)])
+def test_momentum_correct_matches_numpy(impl, shape):
+    a, p = data(shape, seed=shape[0] + 11)
+    a, p = _with_edges(a, 3), _with_edges(p.astype(F32), 4)
+    f = 0.9 * 0.123 / 0.777
+    agg, prev = nd(a), nd(p)
+    got = impl.momentum_correct(agg, prev, f)
+    want_a, want_p = np_correct(a, p, f)
+    assert got is agg
+    np.testing.assert_array_equal(canon(agg.asnumpy()), canon(want_a))
+    np.testing.assert_array_equal(canon(prev.asnumpy()), canon(want_p))
+
+
+def test_momentum_ops_are_mxnets_own_arithmetic(impl):
+    """The fused passes give the bits of the NDArray expressions they replace."""
+    g, u = data((4099,), seed=5)
+    m = 0.9
+    v = impl.momentum_velocity(nd(g), nd(u), m)
+    np.testing.assert_array_equal(canon(v.asnumpy()), canon((nd(u) * m + nd(g)).asnumpy()))
+    f = 0.9 * 0.3 / 0.7
+    agg, prev = nd(g), nd(u)
+    impl.momentum_correct(agg, prev, f)
+    np.testing.assert_array_equal(canon(agg.asnumpy()), canon((nd(g) - nd(u) * f).asnumpy()))
+
+
+def test_momentum_validation_errors(impl):
+    g, u = nd(np.ones((4, 3), F32)), nd(np.zeros((4, 3), F32))
+    with pytest.raises(TypeError, match="velocity must have dtype"):
+        impl.momentum_velocity(g, u.astype(np.float16), 0.9)
+    with pytest.raises(ValueError, match="shape"):
+        impl.momentum_velocity(g, nd(np.zeros(12, F32)), 0.9)
+    for bad in [float("nan"), float("inf"), 1e39]:
+        with pytest.raises(ValueError, match="momentum must be finite"):
+            impl.momentum_velocity(g, u, bad)
+    with pytest.raises(TypeError, match="momentum must be a real number"):
+        impl.momentum_velocity(g, u, None)
+    with pytest.raises(TypeError, match="aggregate must have dtype"):
+        impl.momentum_correct(g.astype(np.float16), u, 0.5)
+    with pytest.raises(ValueError, match="previous has shape"):
+        impl.momentum_correct(g, nd(np.zeros(12, F32)), 0.5)
+    with pytest.raises(ValueError, match="factor must be finite"):
+        impl.momentum_correct(g, u, float("inf"))
+
+
 # ---------------------------------------------------------------- validation
 def test_validation_errors(impl):
     g, r = nd(np.ones((4, 3), F32)), nd(np.zeros((4, 3), F32))
@@ -609,6 +698,11 @@ def isa_inputs():
                 flat[rng.randint(0, flat.size, 2)] = [np.nan, -np.inf]
             cases["s_%s_%s" % ("x".join(map(str, shape)), np.dtype(dtype).name)] = (
                 "select", g, r, k)
+    for n in [1, 17, 33, 1025, 4099]:
+        for dtype in (np.float32, np.float16):
+            g = _with_edges((rng.randn(n) * 3).astype(dtype), n)
+            u = _with_edges(rng.randn(n).astype(F32), n + 1)
+            cases["m_%d_%s" % (n, np.dtype(dtype).name)] = ("momentum", g, u, 0.9)
     return cases
 
 
@@ -630,6 +724,12 @@ def isa_child(path):
             acc = nd(y)
             ops.dequantize_2bit(nd(x), p * 3, (n,), out=acc, accumulate=True)
             out[name + "/accumulated"] = acc.asnumpy()
+        elif op == "momentum":
+            out[name + "/velocity"] = canon(ops.momentum_velocity(nd(x), nd(y), p).asnumpy())
+            agg, prev = nd(y), nd(x.astype(F32))
+            ops.momentum_correct(agg, prev, p / 3.0)
+            out[name + "/corrected"] = canon(agg.asnumpy())
+            out[name + "/previous"] = canon(prev.asnumpy())
         else:
             res = nd(y)
             idx, val, stats = ops.select_kernels(nd(x), res, p)
@@ -702,6 +802,12 @@ def test_native_build_matches_numpy(isa_outputs):
         elif op == "dequantize":
             np.testing.assert_array_equal(bits(out[name + "/decoded"]),
                                           bits(np_dequantize(x, p, (y.size,))), err_msg=name)
+        elif op == "momentum":
+            np.testing.assert_array_equal(out[name + "/velocity"],
+                                          canon(np_velocity(x, y, p)), err_msg=name)
+            want_a, want_p = np_correct(y, x.astype(F32), p / 3.0)
+            np.testing.assert_array_equal(out[name + "/corrected"], canon(want_a), err_msg=name)
+            np.testing.assert_array_equal(out[name + "/previous"], canon(want_p), err_msg=name)
         else:
             idx, val, r_new, stats = np_select(x, y, p)
             np.testing.assert_array_equal(out[name + "/indices"][:p], idx, err_msg=name)

@@ -909,6 +909,133 @@ MXReturnValue scatter_add_forward(const Attrs&, std::vector<MXTensor>* in,
   return MX_SUCCESS;
 }
 
+// ===================================================== momentum correction
+// Two elementwise passes of DGC's momentum correction (kvstore/momentum.py),
+// each one fused pass instead of MXNet's two or three. Each element is one
+// IEEE float32 multiply and one add or subtract, never contracted into an FMA
+// (-ffp-contract=off), so every ISA build and MXNet's own `u * m + g` and
+// `a - p * f` give the same bits; NaN and Inf propagate as IEEE says.
+
+// A finite float32 attribute, as text ('%.9g'), parsed in the classic locale.
+bool parse_finite(const Attrs& attrs, const char* key, float* out) {
+  std::string s;
+  if (!get_attr(attrs, key, &s)) return false;
+  std::istringstream in(s);
+  in.imbue(std::locale::classic());
+  float v = 0.f;
+  in >> v;
+  if (in.fail() || !is_finite(v)) {
+    MX_ERROR_MSG << "attribute '" << key << "' must be a finite float, got '" << s << "'";
+    return false;
+  }
+  *out = v;
+  return true;
+}
+
+// v = u * m + float32(g): grad g (float32 | float16), velocity u (float32).
+template <typename T>
+void velocity_all(const T* g, const float* u, float* v, int64_t n, float m) {
+  float buf[kChunk];
+  for (int64_t lo = 0; lo < n; lo += kChunk) {
+    const int64_t len = std::min(kChunk, n - lo);
+    const float* gf = as_float(g + lo, len, buf);
+    const float* ul = u + lo;
+    float* vl = v + lo;
+    for (int64_t i = 0; i < len; ++i) {
+      const float scaled = ul[i] * m;
+      vl[i] = scaled + gf[i];
+    }
+  }
+}
+
+MXReturnValue velocity_parse(const Attrs& attrs, int* nin, int* nout) {
+  float m;
+  if (!parse_finite(attrs, "momentum", &m)) return MX_FAIL;
+  *nin = 2;
+  *nout = 1;
+  return MX_SUCCESS;
+}
+
+MXReturnValue velocity_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
+  if (!grad_residual_types(*in, "hylo_momentum_velocity")) return MX_FAIL;
+  (*out)[0] = kFloat32;
+  return MX_SUCCESS;
+}
+
+MXReturnValue velocity_shape(const Attrs&, std::vector<std::vector<unsigned int> >* in,
+                             std::vector<std::vector<unsigned int> >* out) {
+  if (!grad_residual_shapes(*in, "hylo_momentum_velocity")) return MX_FAIL;
+  (*out)[0] = (*in)[0];
+  return MX_SUCCESS;
+}
+
+MXReturnValue velocity_forward(const Attrs& attrs, std::vector<MXTensor>* in,
+                               std::vector<MXTensor>* out, const OpResource&) {
+  float m;
+  if (!parse_finite(attrs, "momentum", &m)) return MX_FAIL;
+  MXTensor& g = (*in)[0];
+  const float* u = (*in)[1].data<float>();
+  float* v = (*out)[0].data<float>();
+  if (g.dtype == kFloat16)
+    velocity_all<uint16_t>(g.data<uint16_t>(), u, v, g.size(), m);
+  else
+    velocity_all<float>(g.data<float>(), u, v, g.size(), m);
+  return MX_SUCCESS;
+}
+
+// out = a - p * f, then p <- a (both float32, same shape). `out` may be `a`
+// itself (called with out=a): each element reads a and p before writing.
+void correct_all(const float* a, float* p, float* o, int64_t n, float f) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float ai = a[i];
+    const float scaled = p[i] * f;
+    o[i] = ai - scaled;
+    p[i] = ai;
+  }
+}
+
+MXReturnValue correct_parse(const Attrs& attrs, int* nin, int* nout) {
+  float f;
+  if (!parse_finite(attrs, "factor", &f)) return MX_FAIL;
+  *nin = 2;
+  *nout = 1;
+  return MX_SUCCESS;
+}
+
+MXReturnValue correct_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
+  if (in->size() != 2 || (*in)[0] != kFloat32 || (*in)[1] != kFloat32) {
+    MX_ERROR_MSG << "hylo_momentum_correct: aggregate and previous must be float32";
+    return MX_FAIL;
+  }
+  (*out)[0] = kFloat32;
+  return MX_SUCCESS;
+}
+
+MXReturnValue correct_shape(const Attrs&, std::vector<std::vector<unsigned int> >* in,
+                            std::vector<std::vector<unsigned int> >* out) {
+  if (!expect_inputs(*in, 2, "hylo_momentum_correct")) return MX_FAIL;
+  if ((*in)[0] != (*in)[1]) {
+    MX_ERROR_MSG << "hylo_momentum_correct: aggregate and previous shapes differ";
+    return MX_FAIL;
+  }
+  (*out)[0] = (*in)[0];
+  return MX_SUCCESS;
+}
+
+MXReturnValue mutate_previous(const Attrs&, std::vector<int>* idx) {
+  idx->push_back(1);  // previous <- aggregate, in place
+  return MX_SUCCESS;
+}
+
+MXReturnValue correct_forward(const Attrs& attrs, std::vector<MXTensor>* in,
+                              std::vector<MXTensor>* out, const OpResource&) {
+  float f;
+  if (!parse_finite(attrs, "factor", &f)) return MX_FAIL;
+  correct_all((*in)[0].data<float>(), (*in)[1].data<float>(), (*out)[0].data<float>(),
+              (*in)[0].size(), f);
+  return MX_SUCCESS;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- registry
@@ -955,6 +1082,19 @@ REGISTER_OP(hylo_scatter_kernels_add)
     .setInferType(scatter_type)
     .setInferShape(scatter_add_shape)
     .setForward(scatter_add_forward, "cpu");
+
+REGISTER_OP(hylo_momentum_velocity)
+    .setParseAttrs(velocity_parse)
+    .setInferType(velocity_type)
+    .setInferShape(velocity_shape)
+    .setForward(velocity_forward, "cpu");
+
+REGISTER_OP(hylo_momentum_correct)
+    .setParseAttrs(correct_parse)
+    .setInferType(correct_type)
+    .setInferShape(correct_shape)
+    .setMutateInputs(mutate_previous)
+    .setForward(correct_forward, "cpu");
 
 MXReturnValue initialize(int version) {
   if (version < 10900) {
