@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from mxhylo.bench import netns, train, train_worker
+from mxhylo.bench import comm, netns, train, train_worker
 
 
 def _args(argv=()):
@@ -252,11 +252,12 @@ def test_lr_schedule_reaches_the_servers():
 def test_cpu_features_like_grep():
     text = ("flags\t: fpu sse2 avx avx2 f16c avx512f avx512dq avx512_vnni avx512bw\n"
             "flags\t: fpu avx2 f16c avx512f\nmodel name\t: X\n")
-    assert train.cpu_features(text) == ["avx2", "avx512_vnni", "avx512bw", "avx512dq",
+    assert comm.cpu_features(text) == ["avx2", "avx512_vnni", "avx512bw", "avx512dq",
                                         "avx512f", "f16c"]
-    assert train.cpu_features("flags: sse2 avx\n") == []
-    info = train.machine_report()
-    assert "cpu_features" in info and "cpus" in info
+    assert comm.cpu_features("flags: sse2 avx\n") == []
+    for report in (train.machine_report(), comm.machine_info()):
+        assert "cpu_features" in report and "cpus" in report
+        assert report["ops_isa"] == (os.environ.get("MXHYLO_ISA") or "native")
 
 
 # ----------------------------------------------------------------------------- jobs

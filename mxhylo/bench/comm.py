@@ -27,6 +27,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -347,15 +348,30 @@ def format_table(report):
 
 # ----------------------------------------------------------------------------- machine
 
+CPU_FEATURES = re.compile(r"avx512[a-z_0-9]*|avx2|f16c")
+
+
+def cpu_features(cpuinfo_text):
+    """Sorted distinct AVX2/AVX-512/F16C flags, as
+    ``grep -o 'avx512[a-z_0-9]*\\|avx2\\|f16c' /proc/cpuinfo | sort -u`` lists them."""
+    return sorted(set(CPU_FEATURES.findall(cpuinfo_text)))
+
+
 def machine_info():
+    """The machine a report was measured on: CPU model and features, and the ISA level
+    of hylo's operator build every process of the run loads (MXHYLO_ISA)."""
     info = {"hostname": socket.gethostname(), "kernel": platform.release(),
-            "python": platform.python_version(), "cpus": os.cpu_count()}
+            "python": platform.python_version(), "cpus": os.cpu_count(),
+            "cpu_features": None,
+            "ops_isa": os.environ.get("MXHYLO_ISA", "").strip() or "native"}
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
+            text = f.read()
+        info["cpu_features"] = cpu_features(text)
+        for line in text.splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
         with open("/proc/meminfo") as f:
             info["mem_gib"] = round(int(f.readline().split()[1]) / 2 ** 20, 1)
     except OSError:

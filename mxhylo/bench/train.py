@@ -45,7 +45,6 @@ namespaces that only this run uses, so they are free by construction.
 import datetime
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -67,7 +66,6 @@ PS_PORT = 9091
 FULL_SIZE_MODELS = ("vgg", "alexnet")     # classifier shapes depend on the input size
 STORE_WARMUP_ALLOWANCE = 40               # steps a store's dense warm-up may take
 _CPU_BYTES_PER_S = 50e6                   # codec/copy CPU bound used in job time limits
-CPU_FEATURES = re.compile(r"avx512[a-z_0-9]*|avx2|f16c")
 
 
 def add_arguments(parser):
@@ -532,19 +530,8 @@ def write_tta_plot(report, path):
 
 # ----------------------------------------------------------------------------- machine
 
-def cpu_features(cpuinfo_text):
-    """Sorted distinct AVX2/AVX-512/F16C flags, as
-    ``grep -o 'avx512[a-z_0-9]*\\|avx2\\|f16c' /proc/cpuinfo | sort -u`` lists them."""
-    return sorted(set(CPU_FEATURES.findall(cpuinfo_text)))
-
-
 def machine_report():
     info = machine_info()
-    try:
-        with open("/proc/cpuinfo") as f:
-            info["cpu_features"] = cpu_features(f.read())
-    except OSError:
-        info["cpu_features"] = None
     try:
         info["loadavg_start"] = list(os.getloadavg())
     except OSError:
