@@ -29,7 +29,7 @@ compression off. A regex that maps a tensor to a strategy its shape cannot take
 (``conv_topk`` for a 1-D bias, say) is an error, not a silent fallback.
 """
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 import numpy as np
@@ -55,11 +55,12 @@ class LayerPlan:
     strategy: str
     rate: Optional[float] = None
     k: Optional[int] = None
+    # number of elements of the parameter; computed once (the exchange asks for it
+    # several times per layer and step)
+    size: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def size(self):
-        """Number of elements of the parameter."""
-        return int(np.prod(self.shape)) if self.shape else 1
+    def __post_init__(self):
+        object.__setattr__(self, "size", int(np.prod(self.shape)) if self.shape else 1)
 
 
 def adaptive_conv_rate(n, size_threshold=DEFAULT_SIZE_THRESHOLD,
