@@ -96,8 +96,11 @@ class Hylo(KVStoreBase):
         published); see kvstore.momentum.
       transport: 'auto' (the parameter server when this process is an MXNet worker,
         DMLC_ROLE=worker; in-process otherwise), 'local' or 'ps'.
-      chunk_elements, bucket_bytes: parameter-server transport options (largest piece
-        of a layer in one key; size of the buckets small layers are fused into).
+      chunk_elements, bucket_bytes, stall_timeout: parameter-server transport options
+        (largest piece of a layer in one key; size of the buckets small layers are fused
+        into; seconds an exchange may take before the worker ends with an error naming
+        the keys and servers still owed: None derives it from the step times, 0 turns it
+        off; kvstore.watchdog).
     """
     kv_type = "hylo"
 
@@ -244,8 +247,7 @@ class Hylo(KVStoreBase):
             if mc:
                 momentum_correction.correct(layer.plan.name, agg, self.memory,
                                             self._momentum)
-        for agg in aggregates:
-            agg.wait_to_read()
+        self.transport.wait(layers, aggregates)      # bounded: kvstore.watchdog
         clock = self.traffic.time("wait", clock)
         for agg, os_ in zip(aggregates, outs):                           # 4. write
             for o in os_:

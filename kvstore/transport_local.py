@@ -55,6 +55,11 @@ class LocalTransport:
             traffic.append((payload.nbytes, pulled, {}, 0))
         return traffic
 
+    def wait(self, layers, aggregates):
+        """Block until every aggregate of the exchange is written."""
+        for agg in aggregates:
+            agg.wait_to_read()
+
     def server_state(self):
         """{layer name: (residual numpy of the layer's shape, [2-bit threshold or None])}."""
         memory = self.server.memory

@@ -23,6 +23,7 @@ import numpy as np
 from .compressors import make_compressors
 from .policy import pull_codec
 from .server import ServerDecoder
+from .watchdog import StallWatchdog
 from .wire import (DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, ChunkLayout, gather_payloads,
                    pack_codes, plan_chunks, pull_payload)
 
@@ -67,12 +68,14 @@ class PSTransport:
       load_residuals with compress_pull (collective calls) before it fails.
     warmup: whether compressed layers also get dense keys, for the steps they travel
       uncompressed (the store's warmup_steps).
+    stall_timeout: the bound of one exchange (kvstore.watchdog): None derives it from
+      the step times, 0 turns the watchdog off.
     """
 
     def __init__(self, chunk_elements=DEFAULT_CHUNK_ELEMENTS,
                  bucket_bytes=DEFAULT_BUCKET_BYTES, split_elements=DEFAULT_SPLIT_MIN,
                  compress_pull=None, threshold_scale=1.0, collective_timeout=300.0,
-                 warmup=False):
+                 warmup=False, stall_timeout=None):
         if os.environ.get("DMLC_ROLE") != "worker":
             raise RuntimeError("the hylo parameter-server transport runs in MXNet worker "
                                "processes (DMLC_ROLE=worker), started by python -m "
@@ -87,6 +90,8 @@ class PSTransport:
         self.compress_pull = compress_pull
         self.threshold_scale = float(threshold_scale)
         self.collective_timeout = float(collective_timeout)
+        self.watchdog = StallWatchdog(stall_timeout, rank=self.rank)
+        self._exchanges = 0
         self._codecs = make_compressors()      # decoders of compressed pulls
         self._pending_state = {}  # server state from a checkpoint, restored at exchange
         self._pending_replace = False
@@ -288,6 +293,8 @@ class PSTransport:
         """
         if self._pending_state or self._pending_replace:
             self._restore_server_state()
+        self._exchanges += 1
+        self.watchdog.begin(self._exchanges)
         traffic = []
 
         def count(i, server, pushed=0, pulled=0, messages=0):
@@ -309,6 +316,8 @@ class PSTransport:
             if self._fusable(layer):
                 fused.append(i)
                 continue
+            for pskey, chunk in chunks:
+                self.watchdog.owe(pskey, layer.plan.name, chunk.server)
             alone.append(i)
             for (pskey, chunk), (value, nbytes) in zip(chunks,
                                                        self._encode_pushes(chunks, payload)):
@@ -318,6 +327,8 @@ class PSTransport:
         buckets = self._buckets([items[i][:3] for i in fused], fused)
         for pskey, chunk, members, send, _ in buckets:
             self.kv.push(pskey, send)
+            for i, _, _ in members:
+                self.watchdog.owe(pskey, items[i][0].plan.name, chunk.server)
         for i in alone:
             layer, _, out, chunks = items[i]
             flat = out.reshape((-1,))
@@ -328,7 +339,7 @@ class PSTransport:
                 else:
                     buf, row_ids = self._pull[pskey]
                     self.kv.row_sparse_pull(pskey, out=buf, row_ids=row_ids)
-                    pulled_rows.append((flat, chunk, buf))
+                    pulled_rows.append((flat, chunk, buf, layer.plan.name, pskey))
                     nbytes = chunk.pull_rows * (4 * chunk.cols + _ROW_ID_BYTES)
                 count(i, chunk.server, pulled=nbytes)
         for pskey, chunk, members, send, recv in buckets:
@@ -339,7 +350,8 @@ class PSTransport:
                       messages=int(n == 0))
         # Only now touch the pulled rows: reading a row_sparse array's data waits for
         # its pull, and every pull should be on its way before the first wait.
-        for flat, chunk, buf in pulled_rows:
+        for flat, chunk, buf, name, pskey in pulled_rows:
+            self.watchdog.waiting("layer %r (key %d, server %d)" % (name, pskey, chunk.server))
             rows = buf.data.reshape((-1,))                  # (pull_rows * cols,) row-major
             piece = flat[chunk.offset:chunk.offset + chunk.size]
             if chunk.pull == "dense":
@@ -354,7 +366,17 @@ class PSTransport:
             else:
                 payload = pull_payload(chunk, rows.asnumpy())
                 self._codecs[payload.strategy].decode(payload, piece.reshape(payload.shape))
+            self.watchdog.settled(pskey)
         return [tuple(t) for t in traffic]
+
+    def wait(self, layers, aggregates):
+        """Block until every aggregate of the exchange is written, each wait bounded by
+        the stall watchdog (which names what is still owed if the bound passes)."""
+        for layer, agg in zip(layers, aggregates):
+            self.watchdog.waiting_on_layer(layer.plan.name)
+            agg.wait_to_read()
+            self.watchdog.settled_layer(layer.plan.name)
+        self.watchdog.end()
 
     def _buckets(self, items, indices):
         """The buckets prepare() made for these small uncompressed payloads, filled.

@@ -378,6 +378,10 @@ class Job:
                 verdict = (EXIT_FAILED, "the launcher was interrupted", None)
             if verdict[0] != 0:
                 self.log("stopping the job: %s" % verdict[1])
+                for c in self.children:
+                    if c.stopped():
+                        self.log("%s is stopped (process state T: SIGSTOP or a debugger): "
+                                 "it answered no one" % c.describe())
             procs.teardown(self.children, self.grace, self.log)
             for p in self.pumps:
                 p.join(timeout=2.0)

@@ -225,6 +225,18 @@ class Child:
             if self.returncode is None:
                 self.returncode = self.popen.returncode
 
+    def stopped(self):
+        """True if this local process is stopped (state T: SIGSTOP, a debugger), which
+        is how a frozen machine looks to its peers: alive, and answering nobody."""
+        if self.popen is None or self.host != "local" or self.returncode is not None:
+            return False
+        try:
+            with open("/proc/%d/stat" % self.popen.pid) as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return False
+        return state in ("T", "t")
+
     def describe(self):
         where = "" if self.host == "local" else " on %s" % self.host
         return "%s (pid %s%s)" % (self.name, self.pid, where)

@@ -10,6 +10,8 @@
         exchanges (new layers and new buckets mid-training), every call to MXNet's
         store delayed at random (seeded by SEED and rank), compress_pull by SEED % 4:
         the sums must be exact
+    python tests/dist_keys_worker.py stall OUT      exchanges until the job is stopped,
+        writing the last completed step to OUT after each (the test stops a server)
 OUT may contain {rank}; the worker writes its results there as JSON.
 """
 import json
@@ -119,6 +121,28 @@ def startup(seed):
         # be destroyed late in interpreter teardown, after the engine it waits on
         delattr(native, name)
 
+
+def stall():
+    import time
+    kv = mxhylo.create("dist_sync_hylo", warmup_steps=0)
+    shapes = {"conv": (64, 16, 3, 3), "bias": (10,)}
+    keys = sorted(shapes)
+    kv.broadcast(keys, [mx.nd.zeros(shapes[k]) for k in keys],
+                 out=[mx.nd.zeros(shapes[k]) for k in keys])
+    rng = np.random.RandomState(kv.rank)
+    for step in range(1, 1000000):
+        grads = [mx.nd.array(rng.normal(size=shapes[k])) for k in keys]
+        kv.pushpull(keys, grads)
+        for g in grads:
+            g.wait_to_read()
+        with open(out.format(rank=kv.rank), "w") as f:
+            f.write(str(step))
+        time.sleep(0.05)
+
+
+if mode == "stall":
+    stall()
+    sys.exit(0)
 
 if mode.startswith("startup:"):
     startup(int(mode[len("startup:"):]))

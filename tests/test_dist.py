@@ -121,6 +121,61 @@ def test_small_tensors_travel_fused(tmp_path):
         assert sum(report["bytes_per_server"].values()) > 0
 
 
+@pytest.mark.timeout(240)
+def test_a_stopped_server_ends_the_job_with_a_message(tmp_path):
+    """A server stopped with SIGSTOP mid-training (a frozen machine): with the default
+    bound, every worker's watchdog ends it within 90 s, naming the exchange and the
+    server, and the launcher tears the job down."""
+    import re
+    import signal
+    out = str(tmp_path / "stall-{rank}.txt")
+    cmd = [sys.executable, "-m", "mxhylo.launch", "-n", "2", "-s", "2", "--timeout", "200",
+           sys.executable, os.path.join(ROOT, "tests", "dist_keys_worker.py"), "stall", out]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines, server_pid = [], None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            found = re.search(r"server 1 pid (\d+)", line)
+            if found:
+                server_pid = int(found.group(1))
+                break
+        assert server_pid, "".join(lines)
+        deadline = time.time() + 120
+        while time.time() < deadline:      # mid-training: both workers past step 5
+            steps = [int(open(out.format(rank=r)).read() or 0)
+                     if os.path.exists(out.format(rank=r)) else 0 for r in range(2)]
+            if min(steps) >= 5:
+                break
+            time.sleep(0.2)
+        assert min(steps) >= 5, steps
+        os.kill(server_pid, signal.SIGSTOP)
+        stopped = time.time()
+        rest, _ = proc.communicate(timeout=150)
+        ended = time.time() - stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if server_pid:
+            try:
+                os.kill(server_pid, signal.SIGKILL)    # if the launcher left it behind
+            except ProcessLookupError:
+                pass
+    text = "".join(lines) + rest
+    assert proc.returncode != 0, text[-3000:]
+    assert ended < 90, (ended, text[-3000:])
+    assert re.search(r"worker \d: exchange \d+ \(training step \d+ under a Trainer\) has "
+                     r"not completed after", text), text[-3000:]
+    # the worker names ps-lite's server rank (its numbering, not the launcher's) ...
+    assert re.search(r"waiting for layer '\w+' \(key \d+, server [01]\)", text), text[-3000:]
+    assert re.search(r"Parameter server\(s\) [0-9, ]+ \(ps-lite's server ranks\) may be "
+                     r"stopped", text), text[-3000:]
+    # ... and the launcher names the process
+    assert "server 1 (pid %d) is stopped (process state T" % server_pid in text, text[-3000:]
+
+
 def test_a_lone_checkpoint_with_compressed_pull_fails_instead_of_hanging(tmp_path):
     proc, _, seconds = launch_keys_worker(tmp_path, "save-alone", timeout=100)
     assert proc.returncode != 0
