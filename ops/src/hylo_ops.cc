@@ -110,21 +110,27 @@ bool get_attr(const Attrs& attrs, const char* key, std::string* val) {
   return true;
 }
 
-// Threshold arrives as text ('%.9g' of a float32), parsed in the classic
-// locale so a process-wide setlocale() cannot turn '.' into ','.
-bool parse_threshold(const Attrs& attrs, float* t) {
+// A float32 attribute arrives as text ('%.9g' of a float32), parsed in the
+// classic locale so a process-wide setlocale() cannot turn '.' into ','. It
+// must be finite, and with `positive` also > 0.
+bool parse_float(const Attrs& attrs, const char* key, bool positive, float* out) {
   std::string s;
-  if (!get_attr(attrs, "threshold", &s)) return false;
+  if (!get_attr(attrs, key, &s)) return false;
   std::istringstream in(s);
   in.imbue(std::locale::classic());
   float v = 0.f;
   in >> v;
-  if (in.fail() || !is_finite(v) || !(v > 0.f)) {
-    MX_ERROR_MSG << "threshold must be a finite float > 0, got '" << s << "'";
+  if (in.fail() || !is_finite(v) || (positive && !(v > 0.f))) {
+    MX_ERROR_MSG << "attribute '" << key << "' must be a finite float"
+                 << (positive ? " > 0" : "") << ", got '" << s << "'";
     return false;
   }
-  *t = v;
+  *out = v;
   return true;
+}
+
+bool parse_threshold(const Attrs& attrs, float* t) {
+  return parse_float(attrs, "threshold", true, t);
 }
 
 bool parse_int(const Attrs& attrs, const char* key, int64_t* out) {
@@ -916,22 +922,6 @@ MXReturnValue scatter_add_forward(const Attrs&, std::vector<MXTensor>* in,
 // (-ffp-contract=off), so every ISA build and MXNet's own `u * m + g` and
 // `a - p * f` give the same bits; NaN and Inf propagate as IEEE says.
 
-// A finite float32 attribute, as text ('%.9g'), parsed in the classic locale.
-bool parse_finite(const Attrs& attrs, const char* key, float* out) {
-  std::string s;
-  if (!get_attr(attrs, key, &s)) return false;
-  std::istringstream in(s);
-  in.imbue(std::locale::classic());
-  float v = 0.f;
-  in >> v;
-  if (in.fail() || !is_finite(v)) {
-    MX_ERROR_MSG << "attribute '" << key << "' must be a finite float, got '" << s << "'";
-    return false;
-  }
-  *out = v;
-  return true;
-}
-
 // v = u * m + float32(g): grad g (float32 | float16), velocity u (float32).
 template <typename T>
 void velocity_all(const T* g, const float* u, float* v, int64_t n, float m) {
@@ -950,7 +940,7 @@ void velocity_all(const T* g, const float* u, float* v, int64_t n, float m) {
 
 MXReturnValue velocity_parse(const Attrs& attrs, int* nin, int* nout) {
   float m;
-  if (!parse_finite(attrs, "momentum", &m)) return MX_FAIL;
+  if (!parse_float(attrs, "momentum", false, &m)) return MX_FAIL;
   *nin = 2;
   *nout = 1;
   return MX_SUCCESS;
@@ -972,7 +962,7 @@ MXReturnValue velocity_shape(const Attrs&, std::vector<std::vector<unsigned int>
 MXReturnValue velocity_forward(const Attrs& attrs, std::vector<MXTensor>* in,
                                std::vector<MXTensor>* out, const OpResource&) {
   float m;
-  if (!parse_finite(attrs, "momentum", &m)) return MX_FAIL;
+  if (!parse_float(attrs, "momentum", false, &m)) return MX_FAIL;
   MXTensor& g = (*in)[0];
   const float* u = (*in)[1].data<float>();
   float* v = (*out)[0].data<float>();
@@ -996,7 +986,7 @@ void correct_all(const float* a, float* p, float* o, int64_t n, float f) {
 
 MXReturnValue correct_parse(const Attrs& attrs, int* nin, int* nout) {
   float f;
-  if (!parse_finite(attrs, "factor", &f)) return MX_FAIL;
+  if (!parse_float(attrs, "factor", false, &f)) return MX_FAIL;
   *nin = 2;
   *nout = 1;
   return MX_SUCCESS;
@@ -1030,7 +1020,7 @@ MXReturnValue mutate_previous(const Attrs&, std::vector<int>* idx) {
 MXReturnValue correct_forward(const Attrs& attrs, std::vector<MXTensor>* in,
                               std::vector<MXTensor>* out, const OpResource&) {
   float f;
-  if (!parse_finite(attrs, "factor", &f)) return MX_FAIL;
+  if (!parse_float(attrs, "factor", false, &f)) return MX_FAIL;
   correct_all((*in)[0].data<float>(), (*in)[1].data<float>(), (*out)[0].data<float>(),
               (*in)[0].size(), f);
   return MX_SUCCESS;
