@@ -94,6 +94,10 @@ class Hylo(KVStoreBase):
         optimizer and momentum > 0 drives the store), True (the same, and an error if
         the Trainer's optimizer is not such), False (plain error feedback, Hylo as
         published); see kvstore.momentum.
+      momentum_masking: with momentum correction, zero the velocity of what was sent
+        (DGC's momentum factor masking). Default False: masking takes most of the
+        momentum from layers whose values are sent often, which slowed conv nets per
+        step (kvstore.momentum says by how much; README, "Accuracy").
       transport: 'auto' (the parameter server when this process is an MXNet worker,
         DMLC_ROLE=worker; in-process otherwise), 'local' or 'ps'.
       chunk_elements, bucket_bytes, stall_timeout: parameter-server transport options
@@ -106,7 +110,7 @@ class Hylo(KVStoreBase):
 
     def __init__(self, size_threshold=8192, conv_rate=None, policy=None, max_conv_rate=0.1,
                  min_conv_rate=0.01, threshold_scale=1.0, compress_pull="auto",
-                 momentum_correction="auto", warmup_steps=None,
+                 momentum_correction="auto", momentum_masking=False, warmup_steps=None,
                  transport="auto", **transport_options):
         self.policy = LayerPolicy(size_threshold=size_threshold, conv_rate=conv_rate,
                                   policy=policy, max_conv_rate=max_conv_rate,
@@ -119,6 +123,10 @@ class Hylo(KVStoreBase):
             raise ValueError("momentum_correction must be 'auto', True or False, got %r"
                              % (momentum_correction,))
         self.momentum_correction = momentum_correction
+        if momentum_masking not in (True, False):
+            raise ValueError("momentum_masking must be True or False, got %r"
+                             % (momentum_masking,))
+        self.momentum_masking = bool(momentum_masking)
         if warmup_steps is None:
             warmup_steps = DEFAULT_WARMUP_STEPS
         if not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < 0:
@@ -226,9 +234,10 @@ class Hylo(KVStoreBase):
                                                           self.memory, self._momentum)
                 compressor = self.compressors["none"] if w else layer.compressor
                 payload = compressor.encode(layer.plan, grad, self.memory)
-                if mc:
-                    momentum_correction.mask_sent(layer.plan.name, grad, payload,
-                                                  layer.compressor, self.memory)
+                if mc:      # the velocity runs on (masked where sent, if asked)
+                    momentum_correction.keep_velocity(
+                        layer.plan.name, grad, payload, layer.compressor, self.memory,
+                        masking=self.momentum_masking)
                 self.traffic.time("encode", clock)
                 encoded.append((layer, payload))
                 yield layer, payload, agg
@@ -339,6 +348,7 @@ class Hylo(KVStoreBase):
         out.update(type=self.type, rank=self.rank, num_workers=self.num_workers,
                    options=dict(self.policy.options(), compress_pull=self.compress_pull,
                                 momentum_correction=self.momentum_correction,
+                                momentum_masking=self.momentum_masking,
                                 warmup_steps=self.warmup_steps))
         return out
 

@@ -55,6 +55,16 @@ class ResidualMemory:
             arr = self._arrays[(name, field)] = arr.as_in_context(like.context)
         return arr
 
+    def set_array(self, name, field, value):
+        """Make float32 NDArray ``value`` the state array ``field`` of layer ``name``
+        (the memory keeps ``value`` itself: the caller hands it over)."""
+        if field not in ARRAY_FIELDS:
+            raise ValueError("unknown state array %r (known: %s)" % (field, ARRAY_FIELDS))
+        if value.dtype != np.float32:
+            raise ValueError("state array %s of layer %r must be float32, got %s"
+                             % (field, name, value.dtype))
+        self._arrays[(name, field)] = value
+
     def get(self, name):
         """The residual of layer ``name``, or None if it has none yet."""
         return self._residuals.get(name)

@@ -10,7 +10,15 @@ behind dense per step or collapse (README, "Accuracy"). DGC's remedy, done here:
 * each worker keeps a velocity per compressed layer, ``u <- m * u + g``, and the codec
   compresses ``u`` (plus the residual) instead of ``g``: what leaves is momentum the
   dense run would already have applied;
-* factor masking: where a value was sent, ``u`` is zeroed, so it is not sent again;
+* the velocity runs on as dense momentum's would: error feedback then delivers, over
+  the steps, exactly the sum of the velocities, that is what dense momentum SGD
+  applies, only later. DGC's *factor masking* (zero ``u`` where a value was sent) is
+  an option, off by default: a value sent every T steps restarts its velocity from
+  zero each time and receives (T - m (1 - m^T) / (1 - m)) / T of dense's
+  momentum-amplified step: 46% at T = 12 (a conv layer sending 8% of its filters), 23%
+  at T = 4, 10% for a 2-bit element sent every step (m = 0.9). Measured on the
+  digits conv net at lr 0.02 (4 workers, 200 steps, README "Accuracy"), masking left
+  hylo 0.5-3 points below dense; without it hylo matched dense;
 * the sum of the workers' sent velocities must reach the weights as a plain SGD step,
   not through the Trainer's momentum a second time. The store does not touch the
   optimizer; it hands it ``agg_t - m * (c_{t-1} / c_t) * agg_{t-1}`` instead of
@@ -60,10 +68,14 @@ def accumulate(name, grad, memory, ctx):
     return ops.momentum_velocity(grad, memory.array(name, "velocity", grad), ctx.momentum)
 
 
-def mask_sent(name, velocity, payload, compressor, memory):
-    """Factor masking: the layer's velocity becomes ``velocity`` with every sent element
-    zeroed (what "sent" means is the codec's: Compressor.zero_sent)."""
-    compressor.zero_sent(payload, velocity, memory.array(name, "velocity", velocity))
+def keep_velocity(name, velocity, payload, compressor, memory, masking):
+    """After a successful encode, ``velocity`` (from :func:`accumulate`) becomes the
+    layer's velocity; with ``masking`` (DGC's factor masking) every element the payload
+    sent is zeroed first (what "sent" means is the codec's: Compressor.zero_sent)."""
+    if masking:
+        compressor.zero_sent(payload, velocity, memory.array(name, "velocity", velocity))
+    else:
+        memory.set_array(name, "velocity", velocity)
 
 
 def correct(name, aggregate, memory, ctx):

@@ -31,23 +31,62 @@ def test_corrected_aggregates_make_mxnet_sgd_step_plainly():
                                    err_msg="step %d" % step)
 
 
+def _conv_layer(conv_rate=0.25):
+    kv = mxhylo.create(size_threshold=10, conv_rate=conv_rate, warmup_steps=0)
+    plan = kv.policy.plan("conv", (8, 2, 3, 3))
+    return plan, kv.compressors[plan.strategy]
+
+
 def test_factor_masking_zeroes_the_velocity_where_sent():
     memory = ResidualMemory()
-    kv = mxhylo.create(size_threshold=10, conv_rate=0.25, warmup_steps=0)
-    g = mx.nd.array(np.random.RandomState(1).normal(size=(8, 2, 3, 3)))
+    plan, compressor = _conv_layer()
+    g = mx.nd.array(np.random.RandomState(1).normal(size=plan.shape))
     ctx = momentum.MomentumContext(0.9, 1.0)
-    layer_plan = kv.policy.plan("conv", g.shape)
-    compressor = kv.compressors[layer_plan.strategy]
     v = momentum.accumulate("conv", g, memory, ctx)
     np.testing.assert_array_equal(v.asnumpy(), g.asnumpy())     # first step: u = g
-    payload = compressor.encode(layer_plan, v, memory)
-    momentum.mask_sent("conv", v, payload, compressor, memory)
+    payload = compressor.encode(plan, v, memory)
+    momentum.keep_velocity("conv", v, payload, compressor, memory, masking=True)
     u = memory.array("conv", "velocity", g).asnumpy()
     sent = payload.arrays[0].asnumpy()
     assert len(sent) == 2
     assert np.all(u[sent] == 0)
     rest = np.setdiff1d(np.arange(8), sent)
     np.testing.assert_array_equal(u[rest], g.asnumpy()[rest])
+
+
+@pytest.mark.parametrize("strategy", ["conv_topk", "fc_2bit"])
+def test_without_masking_error_feedback_delivers_dense_momentum(strategy):
+    """The default (no factor masking): what a worker has sent after T steps, plus its
+    residual, is exactly the sum of dense momentum's velocities u_t = m u_{t-1} + g_t.
+    With masking it is less: the momentum of sent values is lost."""
+    rng = np.random.RandomState(2)
+    m, steps = 0.9, 12
+    if strategy == "conv_topk":
+        plan, compressor = _conv_layer(conv_rate=0.125)
+    else:
+        kv = mxhylo.create(size_threshold=10, warmup_steps=0)
+        plan = kv.policy.plan("fc", (6, 20))
+        compressor = kv.compressors[plan.strategy]
+    grads = [rng.normal(size=plan.shape).astype(np.float32) for _ in range(steps)]
+    u, dense_sum = np.zeros(plan.shape, np.float64), np.zeros(plan.shape, np.float64)
+    for g in grads:
+        u = m * u + g
+        dense_sum += u
+    delivered = {}
+    for masking in (False, True):
+        memory, total = ResidualMemory(), np.zeros(plan.shape, np.float64)
+        for g in grads:
+            v = momentum.accumulate(plan.name, mx.nd.array(g), memory,
+                                    momentum.MomentumContext(m, 1.0))
+            payload = compressor.encode(plan, v, memory)
+            momentum.keep_velocity(plan.name, v, payload, compressor, memory, masking)
+            sent = mx.nd.zeros(plan.shape)
+            compressor.decode(payload, sent)
+            total += sent.asnumpy()
+        delivered[masking] = total + memory.get(plan.name).asnumpy()
+    np.testing.assert_allclose(delivered[False], dense_sum, rtol=1e-4, atol=1e-4)
+    lost = np.abs(dense_sum - delivered[True]).sum() / np.abs(dense_sum).sum()
+    assert lost > 0.1, lost
 
 
 def _trainer_steps(kv, steps, seed=0, optimizer="sgd", opts=None):
@@ -97,6 +136,8 @@ def test_momentum_correction_follows_the_trainer_optimizer():
                        optimizer="adam", opts={"learning_rate": 0.01})
     with pytest.raises(ValueError, match="momentum_correction must be"):
         mxhylo.create(momentum_correction="yes")
+    with pytest.raises(ValueError, match="momentum_masking must be"):
+        mxhylo.create(momentum_masking="yes")
     with pytest.raises(ValueError, match="warmup_steps must be"):
         mxhylo.create(warmup_steps=-1)
 

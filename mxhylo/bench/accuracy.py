@@ -99,6 +99,9 @@ def add_arguments(parser):
                         help="reuse the runs already in --runs-file")
     parser.add_argument("--plots-dir", default="docs",
                         help="folder for the PNG plot ('' : none) (default docs)")
+    parser.add_argument("--hylo-options", default="{}",
+                        help="JSON object of mxhylo.create options added to every hylo mode "
+                             "(a mode's own option wins), e.g. '{\"warmup_steps\": 60}'")
     parser.add_argument("--job-timeout", type=float, default=600,
                         help="seconds before one training job is stopped (600)")
 
@@ -112,6 +115,13 @@ def _config(args):
            "seeds": args.seeds, "epochs": args.epochs, "short_epochs": args.short_epochs,
            "eval_every": args.eval_every, "workers": args.workers, "servers": args.servers,
            "batch_size": args.batch_size, "threshold": args.threshold}
+    try:
+        cfg["hylo_options"] = json.loads(args.hylo_options)
+    except ValueError as err:
+        raise SystemExit("accuracy: --hylo-options is not JSON: %s" % err)
+    if not isinstance(cfg["hylo_options"], dict):
+        raise SystemExit("accuracy: --hylo-options must be a JSON object, got %r"
+                         % args.hylo_options)
     bad = sorted(set(cfg["modes"]) - set(MODES))
     if bad or not cfg["modes"]:
         raise SystemExit("accuracy: --modes must be a subset of %s, got %r"
@@ -182,7 +192,8 @@ def launch_job(cfg, net, lr, mode, seed, tmp, timeout):
               "--seed", str(seed), "--epochs", str(cfg["epochs"]),
               "--eval-every", str(cfg["eval_every"]),
               "--batch-size", str(cfg["batch_size"]), "--lr", str(lr),
-              "--threshold", str(cfg["threshold"]), "--out", out]
+              "--threshold", str(cfg["threshold"]),
+              "--hylo-options", json.dumps(cfg.get("hylo_options", {})), "--out", out]
     # One OpenMP thread per process: W workers and S servers share the machine's cores.
     cmd = [sys.executable, "-m", "mxhylo.launch", "-n", str(cfg["workers"]),
            "-s", str(cfg["servers"]), "--timeout", str(timeout),
@@ -438,6 +449,8 @@ def _worker_parser():
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--threshold", type=float, default=2.0)
+    p.add_argument("--hylo-options", default="{}",
+                   help="JSON object of mxhylo.create options under the mode's own")
     p.add_argument("--out", required=True, help="result JSON; {rank} is the worker rank")
     return p
 
@@ -454,7 +467,8 @@ def worker_main(argv=None):
     elif args.mode == "2bit":
         kv = PushThenPull(args.threshold)
     else:
-        kv = mxhylo.create("dist_sync_hylo", **HYLO_OPTIONS[args.mode])
+        options = dict(json.loads(args.hylo_options), **HYLO_OPTIONS[args.mode])
+        kv = mxhylo.create("dist_sync_hylo", **options)
     result = digits.train(kvstore=kv, contexts=[mx.cpu(0)], epochs=args.epochs,
                           batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                           net=args.net, eval_every=args.eval_every)
