@@ -26,7 +26,7 @@ from .. import ops
 from .compressors import make_compressors
 from .memory import ResidualMemory
 from .policy import LayerPlan
-from .wire import gather_values, pull_values, unpack_codes
+from .wire import gather_values, pull_values, read_state, slot_payload, state_values
 
 log = logging.getLogger("mxhylo.server")
 
@@ -182,16 +182,14 @@ def _decode(key, name, layout, received):
     data = received.data.asnumpy()
     dense = mx.nd.zeros(layout.key_shape, dtype=np.float32)
     flat = dense.reshape((-1,))[:layout.size]
-    n_words = -(-layout.size // 16)
-    for w in range(_num_workers()):
+    for w in range(_num_workers()):         # in rank order, as the workers' gather does
         lo = w * layout.slot_rows
         mine = (rows >= lo) & (rows < lo + layout.slot_rows)
         if not mine.any():
             _fatal("key %d (%s): worker slot %d is empty" % (key, name, w))
-        slot = data[mine].reshape(-1)
-        codes = unpack_codes(slot[1:], n_words)
-        ops.dequantize_2bit(mx.nd.array(codes, dtype=np.int32), float(slot[0]),
-                            (layout.size,), out=flat, accumulate=True)
+        payload = slot_payload(layout, data[mine].reshape(-1))
+        ops.dequantize_2bit(payload.arrays[0], payload.scalars[0], (layout.size,),
+                            out=flat, accumulate=True)
     return dense
 
 
@@ -211,20 +209,12 @@ def _store_rows(stored, layout, values):
 
 def _dump_state(key, layout, stored):
     residual, threshold = _PULL.state("key%d" % key, pull_shape(layout))
-    values = np.zeros(layout.state_rows * layout.cols, np.float32)
-    values[:layout.size] = residual.reshape(-1)
-    if layout.pull == "fc_2bit":
-        values[layout.size] = np.nan if threshold is None else threshold
-    _store_rows(stored, layout, values)
+    _store_rows(stored, layout, state_values(layout, residual, threshold))
 
 
 def _load_state(key, layout, received):
-    values = received.tostype("default").asnumpy().reshape(-1)
-    threshold = None
-    if layout.pull == "fc_2bit" and np.isfinite(values[layout.size]):
-        threshold = float(values[layout.size])
-    _PULL.set_state("key%d" % key, values[:layout.size].reshape(pull_shape(layout)),
-                    threshold)
+    residual, threshold = read_state(layout, received.tostype("default").asnumpy())
+    _PULL.set_state("key%d" % key, residual.reshape(pull_shape(layout)), threshold)
 
 
 def _num_workers():

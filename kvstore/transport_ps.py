@@ -24,10 +24,10 @@ from .compressors import make_compressors
 from .policy import pull_codec
 from .server import ServerDecoder
 from .watchdog import StallWatchdog
-from .wire import (DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, ChunkLayout, gather_payloads,
-                   pack_codes, plan_chunks, pull_payload)
+from .wire import (DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, ROW_ID_BYTES, ChunkLayout,
+                   all_rows, empty_push, gather_payloads, plan_chunks, pull_payload,
+                   push_2bit, push_topk, read_state, row_sparse_push, state_values)
 
-_ROW_ID_BYTES = 8       # row_sparse pushes and pulls carry int64 row ids
 DEFAULT_BUCKET_BYTES = 2 << 20     # = DEFAULT_CHUNK_ELEMENTS float32 values
 
 
@@ -215,7 +215,7 @@ class PSTransport:
             if chunk.kind == "dense":
                 values.append(mx.nd.zeros(chunk.key_shape, ctx=mx.cpu()))
             else:
-                values.append(self._all_rows(chunk, mx.nd.zeros(chunk.key_shape)))
+                values.append(all_rows(chunk, mx.nd.zeros(chunk.key_shape)))
                 self._pull[pskey] = (
                     mx.nd.sparse.zeros("row_sparse", chunk.key_shape),
                     mx.nd.arange(chunk.pull_rows, dtype=np.int64))
@@ -340,7 +340,7 @@ class PSTransport:
                     buf, row_ids = self._pull[pskey]
                     self.kv.row_sparse_pull(pskey, out=buf, row_ids=row_ids)
                     pulled_rows.append((flat, chunk, buf, layer.plan.name, pskey))
-                    nbytes = chunk.pull_rows * (4 * chunk.cols + _ROW_ID_BYTES)
+                    nbytes = chunk.pull_rows * (4 * chunk.cols + ROW_ID_BYTES)
                 count(i, chunk.server, pulled=nbytes)
         for pskey, chunk, members, send, recv in buckets:
             self.kv.pull(pskey, out=recv)
@@ -427,15 +427,8 @@ class PSTransport:
             spans = self._topk_spans(chunks, payload.arrays[0])
             return [self._topk_push(c, a, b, payload) for (_, c), (a, b) in zip(chunks, spans)]
         codes, threshold = payload.arrays[0].asnumpy().view(np.uint8), payload.scalars[0]
-        pushes = []
-        for _, c in chunks:
-            packed = pack_codes(codes[c.lo // 4:4 * -(-c.hi // 16)])
-            data = np.zeros(c.slot_rows * c.cols, np.float32)
-            data[0] = threshold
-            data[1:1 + len(packed)] = packed
-            rows = self.rank * c.slot_rows + np.arange(c.slot_rows)
-            pushes.append(self._row_sparse(c, data, rows))
-        return pushes
+        return [push_2bit(c, self.rank, codes[c.lo // 4:4 * -(-c.hi // 16)], threshold)
+                for _, c in chunks]
 
     @staticmethod
     def _topk_spans(chunks, indices):
@@ -447,21 +440,14 @@ class PSTransport:
         idx = indices.asnumpy()
         return [tuple(int(x) for x in np.searchsorted(idx, [c.lo, c.hi])) for _, c in chunks]
 
-    def _topk_push(self, chunk, a, b, payload):
-        """(row_sparse push, bytes) of a conv_topk payload's rows a..b-1 in ``chunk``:
-        row ids are the filters' indices in the chunk, data their values, both taken
-        from the payload's NDArrays (no numpy round trip)."""
-        indices, values = payload.arrays
+    @staticmethod
+    def _topk_push(chunk, a, b, payload):
+        """(row_sparse push, bytes) of a conv_topk payload's rows a..b-1 in ``chunk``,
+        taken from the payload's NDArrays (no numpy round trip)."""
         if b == a:
-            # sync mode waits for every worker's push of a key: a worker with no
-            # filter in this chunk pushes one all-zero row, which adds nothing
-            return self._row_sparse(chunk, np.zeros(chunk.cols, np.float32),
-                                    np.zeros(1, np.int64))
-        rows = indices[a:b] if chunk.lo == 0 else indices[a:b] - chunk.lo
-        data = values.reshape((values.shape[0], -1))[a:b]
-        value = mx.nd.sparse.row_sparse_array((data, rows.astype(np.int64)),
-                                              shape=chunk.key_shape)
-        return value, (b - a) * (4 * chunk.cols + _ROW_ID_BYTES)
+            return empty_push(chunk)
+        indices, values = payload.arrays
+        return push_topk(chunk, indices[a:b], values[a:b])
 
     # -- the servers' state (compressed pull), for checkpoints ---------------------------
 
@@ -515,22 +501,20 @@ class PSTransport:
         self._server_mode("dump")
         bufs = []
         for _, pskey, chunk in chunks:
-            self.kv.push(pskey, self._row_sparse(chunk, np.zeros(chunk.cols, np.float32),
-                                                 np.zeros(1, np.int64))[0])
+            self.kv.push(pskey, empty_push(chunk)[0])
             buf = mx.nd.sparse.zeros("row_sparse", chunk.key_shape)
             self.kv.row_sparse_pull(pskey, out=buf,
                                     row_ids=mx.nd.arange(chunk.state_rows, dtype=np.int64))
             bufs.append(buf)
         state = {}
         for (name, _, chunk), buf in zip(chunks, bufs):
-            values = buf.data.asnumpy().reshape(-1)
+            piece, threshold = read_state(chunk, buf.data.asnumpy())
             shape = self._layer_shapes[name]
             residual, thresholds = state.setdefault(
                 name, (np.zeros(int(np.prod(shape)), np.float32), []))
-            residual[chunk.offset:chunk.offset + chunk.size] = values[:chunk.size]
+            residual[chunk.offset:chunk.offset + chunk.size] = piece
             if chunk.pull == "fc_2bit":
-                t = float(values[chunk.size])
-                thresholds.append(t if np.isfinite(t) else None)
+                thresholds.append(threshold)
         self._server_mode("run")
         return {name: (r.reshape(self._layer_shapes[name]), t)
                 for name, (r, t) in state.items()}
@@ -563,31 +547,18 @@ class PSTransport:
             if residual is None:
                 residual = np.zeros(self._layer_shapes[name], np.float32)
             if self.rank == 0:
-                values = np.zeros(chunk.state_rows * chunk.cols, np.float32)
-                values[:chunk.size] = np.asarray(residual, np.float32).reshape(-1)[
-                    chunk.offset:chunk.offset + chunk.size]
+                t = None
                 if chunk.pull == "fc_2bit":
                     # thresholds are per chunk; another chunking measures them anew
                     same = [c for n, _, c in chunks if n == name]
                     t = thresholds[same.index(chunk)] if len(thresholds) == len(same) else None
-                    values[chunk.size] = np.nan if t is None else t
-                rows = np.arange(chunk.state_rows, dtype=np.int64)
+                piece = np.asarray(residual, np.float32).reshape(-1)[
+                    chunk.offset:chunk.offset + chunk.size]
+                push = row_sparse_push(chunk, state_values(chunk, piece, t),
+                                       np.arange(chunk.state_rows, dtype=np.int64))
             else:
-                values, rows = np.zeros(chunk.cols, np.float32), np.zeros(1, np.int64)
-            self.kv.push(pskey, self._row_sparse(chunk, values, rows)[0])
+                push = empty_push(chunk)
+            self.kv.push(pskey, push[0])
         self._server_mode("run")
         for name, _, _ in chunks:
             self._pending_state.pop(name, None)
-
-    @staticmethod
-    def _row_sparse(chunk, data, rows):
-        data = data.reshape(len(rows), chunk.cols)
-        value = mx.nd.sparse.row_sparse_array((data, rows.astype(np.int64)),
-                                              shape=chunk.key_shape)
-        return value, data.size * 4 + len(rows) * _ROW_ID_BYTES
-
-    @staticmethod
-    def _all_rows(chunk, dense):
-        """``dense`` as a row_sparse array that lists every row, zero rows included."""
-        return mx.nd.sparse.row_sparse_array(
-            (dense, mx.nd.arange(chunk.rows, dtype=np.int64)), shape=chunk.key_shape)

@@ -37,6 +37,11 @@ drop them, and its pull reads rows by position); a worker pulls rows [0, pull_ro
 
 Checkpoints move the servers' residuals through the same keys (kvstore.server's
 'dump' and 'load' modes): state_rows rows of the residual, then the codec scalars.
+
+Every layout has its writer next to its reader here: pushes (``push_*``, read by the
+servers' sum and by :func:`slot_payloads`), pulls (``pull_values`` /
+``pull_payload``, ``gather_values`` / ``gather_payloads``), checkpoint state
+(``state_values`` / ``read_state``); the transport and the servers only move them.
 """
 import dataclasses
 from dataclasses import dataclass
@@ -56,6 +61,7 @@ DEFAULT_CHUNK_ELEMENTS = 976 * ROW_DATA  # a whole number of rows, under 1e6
 # Layers of at least this many elements are spread evenly over all servers.
 DEFAULT_SPLIT_MIN = 1 << 18
 CODES_PER_VALUE = 12          # 24 bits per float32 value
+ROW_ID_BYTES = 8              # row_sparse pushes and pulls carry int64 row ids
 
 
 @dataclass(frozen=True)
@@ -214,6 +220,68 @@ def _with_pull(chunk, pull, pull_rate, gather_k=0):
     return dataclasses.replace(compressed, rows=max(chunk.rows, compressed.state_rows))
 
 
+# -- pushes: what one worker puts in a key; the servers' sum is their first reader ----
+
+def row_sparse_push(layout, data, rows):
+    """(row_sparse NDArray of the key, bytes on the wire) of float32 ``data`` (numpy or
+    NDArray, len(rows) * cols values) in rows ``rows`` (int64) of ``layout``'s key."""
+    if isinstance(data, np.ndarray):
+        data = mx.nd.array(data.reshape(len(rows), layout.cols))
+    else:
+        data = data.reshape((len(rows), layout.cols))
+    if isinstance(rows, np.ndarray):
+        rows = mx.nd.array(rows, dtype=np.int64)
+    value = mx.nd.sparse.row_sparse_array((data, rows.astype(np.int64)),
+                                          shape=layout.key_shape)
+    return value, len(rows) * (4 * layout.cols + ROW_ID_BYTES)
+
+
+def empty_push(layout):
+    """A push that adds nothing: one all-zero row. Sync mode waits for every worker's
+    push of a key, so a worker with nothing for it (no filter in this chunk; a
+    checkpoint's trigger) pushes this."""
+    return row_sparse_push(layout, np.zeros(layout.cols, np.float32), np.zeros(1, np.int64))
+
+
+def push_2bit(layout, rank, codes_u8, threshold):
+    """Worker ``rank``'s push of a '2bit' chunk: its slot (rows [rank * slot_rows,
+    (rank + 1) * slot_rows)) holding the threshold, then the chunk's code bytes
+    (uint8, little-endian int32 words, starting at the chunk's first word) as 24-bit
+    integers. Read by :func:`slot_payload`."""
+    packed = pack_codes(codes_u8)
+    data = np.zeros(layout.slot_rows * layout.cols, np.float32)
+    data[0] = threshold
+    data[1:1 + len(packed)] = packed
+    return row_sparse_push(layout, data, rank * layout.slot_rows + np.arange(layout.slot_rows))
+
+
+def slot_payload(layout, slot):
+    """One worker's slot of a '2bit' chunk (float32 values, slot_rows * cols or fewer:
+    threshold, then codes) -> its fc_2bit Payload."""
+    codes = unpack_codes(slot[1:], -(-layout.size // 16))
+    return Payload("fc_2bit", (layout.size,), (mx.nd.array(codes, dtype=np.int32),),
+                   (float(slot[0]),))
+
+
+def push_topk(layout, indices, values):
+    """A worker's push of a 'topk' chunk: ``indices`` (int32 NDArray, ascending, the
+    chunk's filters in layer numbering) and their rows ``values`` (float32 NDArray,
+    (len, ...)) -> rows of the key; the servers' sum is the scatter-add decode."""
+    if not indices.shape[0]:
+        return empty_push(layout)
+    rows = indices if layout.lo == 0 else indices - layout.lo
+    return row_sparse_push(layout, values.reshape((values.shape[0], -1)), rows)
+
+
+def all_rows(layout, dense):
+    """``dense`` (NDArray of the key's shape) as a row_sparse array that lists every
+    row, zero rows included (a pull reads rows by position)."""
+    return mx.nd.sparse.row_sparse_array(
+        (dense, mx.nd.arange(layout.rows, dtype=np.int64)), shape=layout.key_shape)
+
+
+# -- pulls: what the servers store for the workers to pull, and its reader -----------
+
 def pull_values(layout, payload):
     """The server's side: Payload of the encoded aggregate -> float32 (pull_rows * cols,)."""
     out = np.zeros(layout.pull_rows * layout.cols, np.float32)
@@ -274,16 +342,9 @@ def gather_payloads(layout, values):
     """The workers' side of a 'gather' pull: pulled float32 values (pull_rows * cols,)
     -> the Payloads whose decodes, accumulated in order, are the chunk's aggregate."""
     if layout.kind == "2bit":
-        words = -(-layout.size // 16)
-        payloads = []
-        for w in range(layout.slots):
-            slot = values[w * layout.slot_rows * layout.cols:
-                          (w + 1) * layout.slot_rows * layout.cols]
-            codes = unpack_codes(slot[1:], words)
-            payloads.append(Payload("fc_2bit", (layout.size,),
-                                    (mx.nd.array(codes, dtype=np.int32),),
-                                    (float(slot[0]),)))
-        return payloads
+        per_slot = layout.slot_rows * layout.cols
+        return [slot_payload(layout, values[w * per_slot:(w + 1) * per_slot])
+                for w in range(layout.slots)]
     count = int(values[0])
     head = -(-(1 + layout.pull_k) // layout.cols) * layout.cols
     indices = values[1:1 + count].astype(np.int32)
@@ -292,6 +353,28 @@ def gather_payloads(layout, values):
         return []
     return [Payload("conv_topk", (layout.rows_filters, layout.cols),
                     (mx.nd.array(indices, dtype=np.int32), mx.nd.array(rows)))]
+
+
+# -- the servers' state of a compressed pull, for checkpoints ---------------------------
+
+def state_values(layout, residual, threshold):
+    """A chunk's server state as the float32 values (state_rows * cols,) that travel
+    through its key: the residual (``size`` values, any shape), then, for an fc_2bit
+    pull, the threshold (NaN for None: not measured yet). Read by :func:`read_state`."""
+    values = np.zeros(layout.state_rows * layout.cols, np.float32)
+    values[:layout.size] = np.asarray(residual, np.float32).reshape(-1)
+    if layout.pull == "fc_2bit":
+        values[layout.size] = np.nan if threshold is None else threshold
+    return values
+
+
+def read_state(layout, values):
+    """Inverse of :func:`state_values`: (residual (size,) float32, threshold or None)."""
+    values = np.asarray(values, np.float32).reshape(-1)
+    threshold = None
+    if layout.pull == "fc_2bit" and np.isfinite(values[layout.size]):
+        threshold = float(values[layout.size])
+    return values[:layout.size].copy(), threshold
 
 
 def pack_codes(codes_u8):

@@ -1,0 +1,105 @@
+"""Round trips of kvstore.wire's push and checkpoint-state layouts: each writer against
+its reader, on random chunkings, through MXNet's own row_sparse sum (what a server
+does with the workers' pushes). The pull layouts' round trips are in test_pull.py."""
+import mxnet as mx
+import numpy as np
+import pytest
+
+from mxhylo import ops
+from mxhylo.kvstore.wire import (ROW_ID_BYTES, empty_push, plan_chunks, push_2bit,
+                                 push_topk, read_state, slot_payload, state_values)
+
+
+def _server_sum(pushes):
+    """What a server stores for a key after summing row_sparse pushes."""
+    total = pushes[0]
+    for p in pushes[1:]:
+        total = mx.nd.sparse.elemwise_add(total, p)
+    return total
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_2bit_slots_round_trip_through_the_servers_sum(seed):
+    """Every worker's slot comes out of the sum unchanged: its threshold and the exact
+    code words (any bits, NaN patterns included), decoding to the worker's values."""
+    rng = np.random.RandomState(seed)
+    workers = rng.randint(1, 5)
+    shape = (int(rng.randint(1, 200)), int(rng.randint(1, 400)))
+    n = shape[0] * shape[1]
+    chunks = plan_chunks("fc_2bit", shape, workers, 2, int(rng.choice([16, 1024, 4096])))
+    words = -(-n // 16)
+    codes = [rng.randint(0, 2 ** 32, size=words, dtype=np.uint64).astype(np.uint32)
+             .view(np.int32) for _ in range(workers)]
+    thresholds = [float(np.float32(rng.uniform(1e-6, 5))) for _ in range(workers)]
+    for c in chunks:
+        pushes = []
+        for w in range(workers):
+            value, nbytes = push_2bit(c, w, codes[w].view(np.uint8)[c.lo // 4:4 * -(-c.hi // 16)],
+                                      thresholds[w])
+            assert nbytes == c.slot_rows * (4 * c.cols + ROW_ID_BYTES)
+            pushes.append(value)
+        summed = _server_sum(pushes)
+        rows, data = summed.indices.asnumpy(), summed.data.asnumpy()
+        for w in range(workers):
+            mine = (rows >= w * c.slot_rows) & (rows < (w + 1) * c.slot_rows)
+            payload = slot_payload(c, data[mine].reshape(-1))
+            assert payload.scalars == (thresholds[w],)
+            want = codes[w][c.lo // 16:-(-c.hi // 16)]
+            np.testing.assert_array_equal(payload.arrays[0].asnumpy(), want)
+            # and the decode is the worker's own chunk
+            out = mx.nd.zeros((c.size,))
+            ops.dequantize_2bit(payload.arrays[0], payload.scalars[0], (c.size,), out=out)
+            full = mx.nd.zeros((n,))
+            ops.dequantize_2bit(mx.nd.array(codes[w], dtype=np.int32), thresholds[w], (n,),
+                                out=full)
+            np.testing.assert_array_equal(out.asnumpy(), full.asnumpy()[c.lo:c.hi])
+
+
+def test_topk_pushes_sum_to_the_scatter_add():
+    """Workers' top-k rows (some chunks without any, which push an empty row) sum to the
+    dense scatter-add of every worker's filters, chunk by chunk."""
+    rng = np.random.RandomState(3)
+    shape, workers = (40, 3, 3, 3), 3
+    chunks = plan_chunks("conv_topk", shape, workers, 2, 27 * 7, split_min=1)
+    assert len(chunks) > 2
+    dense = np.zeros((40, 27), np.float32)
+    picks = []
+    for w in range(workers):
+        idx = np.sort(rng.choice(40, 5, replace=False)).astype(np.int32)
+        vals = rng.randn(5, 3, 3, 3).astype(np.float32)
+        picks.append((idx, vals))
+        np.add.at(dense, idx, vals.reshape(5, -1))
+    for c in chunks:
+        pushes = []
+        for idx, vals in picks:
+            a, b = np.searchsorted(idx, [c.lo, c.hi])
+            if a == b:
+                value, nbytes = empty_push(c)
+                assert nbytes == 4 * c.cols + ROW_ID_BYTES
+            else:
+                value, nbytes = push_topk(c, mx.nd.array(idx[a:b], dtype=np.int32),
+                                          mx.nd.array(vals[a:b]))
+                assert nbytes == (b - a) * (4 * c.cols + ROW_ID_BYTES)
+            pushes.append(value)
+        got = _server_sum(pushes).tostype("default").asnumpy()
+        np.testing.assert_array_equal(got[:c.hi - c.lo], dense[c.lo:c.hi])
+
+
+@pytest.mark.parametrize("pull", ["fc_2bit", "conv_topk"])
+def test_server_state_round_trip(pull):
+    """A chunk's residual and threshold (None included) survive state_values ->
+    read_state bitwise, at odd sizes; only an fc_2bit pull carries a threshold."""
+    rng = np.random.RandomState(5)
+    strategy = "fc_2bit" if pull == "fc_2bit" else "conv_topk"
+    shape = (37, 53) if strategy == "fc_2bit" else (31, 5, 3, 3)
+    for c in plan_chunks(strategy, shape, 2, 2, 1024, pull=pull, pull_rate=0.1):
+        if not c.stateful_pull:
+            continue
+        residual = rng.randn(c.size).astype(np.float32)
+        residual[:3] = [0.0, -0.0, np.float32(1e-42)]
+        for threshold in (None, float(np.float32(0.37))):
+            values = state_values(c, residual, threshold)
+            assert values.shape == (c.state_rows * c.cols,) and values.dtype == np.float32
+            back, t = read_state(c, values)
+            np.testing.assert_array_equal(back.view(np.uint32), residual.view(np.uint32))
+            assert t == (threshold if pull == "fc_2bit" else None)
