@@ -7,6 +7,8 @@ payload into a dense float32 array, so a receiver aggregates any number of paylo
 (each worker's own threshold or kernel choice) by decoding with accumulate=True.
 
 make_compressors() builds the registry: the policy's strategy names -> instances.
+PullEncoder runs the same codecs on an aggregate, with residuals of its own (the
+compressed pull).
 """
 from dataclasses import dataclass
 from typing import Tuple
@@ -15,6 +17,8 @@ import mxnet as mx
 import numpy as np
 
 from .. import ops
+from .memory import ResidualMemory
+from .policy import LayerPlan
 
 
 @dataclass
@@ -173,6 +177,41 @@ class ConvTopK(Compressor):
         keep = 1 - mx.nd.one_hot(indices, filters).sum(axis=0)     # (filters,) 0 or 1
         mx.nd.broadcast_mul(values.reshape((filters, -1)), keep.reshape((filters, 1)),
                             out=out.reshape((filters, -1)))
+
+
+class PullEncoder:
+    """Error feedback for an aggregate on its way back (compress_pull 'layer' / '2bit'):
+    encodes aggregates with a residual each, on the servers (kvstore.server) or, in one
+    process, in the store (kvstore.transport_local).
+
+    The codecs are the workers' own (this module) and so is the residual store
+    (kvstore.memory), keyed by the name the caller gives a chunk or layer: residual <-
+    aggregate + residual - sent, exactly as a worker does.
+    """
+
+    def __init__(self, threshold_scale=1.0):
+        self.memory = ResidualMemory()
+        self.set_threshold_scale(threshold_scale)
+
+    def set_threshold_scale(self, threshold_scale):
+        self.compressors = make_compressors(threshold_scale)
+
+    def encode(self, name, codec, aggregate, k=None):
+        """Payload of float32 NDArray ``aggregate`` (plus ``name``'s residual) with
+        ``codec`` ('fc_2bit', or 'conv_topk' sending k rows of its first axis)."""
+        plan = LayerPlan(name, tuple(aggregate.shape), codec, k=k)
+        return self.compressors[codec].encode(plan, aggregate, self.memory)
+
+    def state(self, name, shape):
+        """(residual as float32 numpy of ``shape``, 2-bit threshold or None) of ``name``."""
+        residual = self.memory.residual(name, mx.nd.zeros(shape, dtype=np.float32))
+        return residual.asnumpy(), self.memory.scalar(name, "threshold")
+
+    def set_state(self, name, residual, threshold):
+        """Replace ``name``'s residual (numpy) and threshold (None: measure anew)."""
+        res = self.memory.residual(name, mx.nd.zeros(residual.shape, dtype=np.float32))
+        res[:] = residual
+        self.memory.set_scalar(name, "threshold", threshold)
 
 
 def make_compressors(threshold_scale=1.0):

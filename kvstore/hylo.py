@@ -19,15 +19,14 @@ step 2 raise FloatingPointError for that key (its residual left as it was); keys
 before it in the same call have been exchanged already, and a distributed worker
 ends (see transport_ps: the other workers would wait for its pushes).
 
-Gluon's Trainer passes parameter indices as keys, one key per call. Policy regexes and
-error messages need parameter names, so for an int key the store looks up the calling
-Trainer's parameter list the first time it sees the key (falling back to str(key));
-and when the Trainer's gradient loop asks for its first key, the store exchanges the
-whole step in one call (see _pushpull_trainer_step).
+Gluon's Trainer passes parameter indices as keys, one key per call, and tells the store
+nothing else. kvstore.trainer_hook connects them explicitly: a Trainer whose kvstore is
+a hylo store attaches itself (``attach_trainer``: int keys are named by its parameters)
+and exchanges its whole step in one call (``exchange_step``).
 """
 import os
-import sys
 import time
+import weakref
 
 import mxnet as mx
 import numpy as np
@@ -39,7 +38,7 @@ from .memory import ResidualMemory
 from .policy import LayerPolicy, compress_pull_mode
 from .stats import TrafficStats
 from .transport_local import LocalTransport
-from . import active
+from . import active, trainer_hook
 
 
 DEFAULT_WARMUP_STEPS = 30
@@ -55,19 +54,6 @@ class Layer:
 
 def _as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
-
-
-def _calling_trainer():
-    """(the gluon.Trainer up the call stack or None, whether it is in _allreduce_grads)."""
-    frame = sys._getframe(1)
-    for _ in range(12):
-        if frame is None:
-            break
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, mx.gluon.Trainer):
-            return owner, frame.f_code.co_name == "_allreduce_grads"
-        frame = frame.f_back
-    return None, False
 
 
 class Hylo(KVStoreBase):
@@ -138,7 +124,7 @@ class Hylo(KVStoreBase):
         self.traffic = TrafficStats()
         self._layers = {}
         self._aggregates = {}
-        self._done_in_step = set()
+        self._trainer = None      # weakref of the attached gluon.Trainer (trainer_hook)
         self.transport = self._make_transport(transport, transport_options)
         if self.transport.num_workers > 1 or transport == "ps":
             active.set_active(self)
@@ -150,7 +136,7 @@ class Hylo(KVStoreBase):
                                 % ", ".join(sorted(options)))
             return LocalTransport(self.compress_pull, self.policy.threshold_scale)
         if transport == "ps":
-            from .transport_ps import PSTransport
+            from .transport_ps import PSTransport     # workers only (not servers)
             return PSTransport(compress_pull=self.compress_pull,
                                threshold_scale=self.policy.threshold_scale,
                                warmup=self.warmup_steps > 0, **options)
@@ -210,11 +196,6 @@ class Hylo(KVStoreBase):
         key: int or str, or a list of them; value: NDArray or list of NDArrays (one per
         device) per key; out: the same shapes, or None to write the result into value.
         """
-        if isinstance(key, (int, np.integer)) and out is None:
-            trainer, allreducing = _calling_trainer()
-            if allreducing and 0 <= key < len(trainer._params):
-                self._pushpull_trainer_step(trainer, int(key))
-                return
         keys, values, outs = self._normalize(key, value, out, "pushpull")
         layers = [self._layer(k, vals[0].shape) for k, vals in zip(keys, values)]
         aggregates = self._aggregate_into(layers, values, outs)
@@ -290,27 +271,26 @@ class Hylo(KVStoreBase):
                 aggregates.append(self._aggregate_buffer(layer, ctx))
         return aggregates
 
-    def _pushpull_trainer_step(self, trainer, key):
-        """Gluon's Trainer pushes one key per call; exchange its whole step at once.
+    # -- the Trainer's side (kvstore.trainer_hook) ---------------------------------------
 
-        When Trainer._allreduce_grads asks for its first key, backward() has queued
-        every gradient, so the store exchanges all of the step's keys in one call:
-        small layers travel fused in buckets and every push is on the wire before the
-        first pull. The Trainer's later calls in that loop find their key done.
+    def attach_trainer(self, trainer):
+        """Called when a gluon.Trainer takes this store: its parameter names name the
+        int keys (parameter indices) from then on, for the policy's regexes, stats()
+        and errors. A store serves one Trainer (keys are that Trainer's indices)."""
+        self._trainer = weakref.ref(trainer)
 
-        The keys go last layer first. MXNet's engine runs backward after backward()
-        returns, and produces the last layers' gradients first: in that order each
-        encode waits only for its own gradient, and the first pushes leave while the
-        engine is still computing the first layers' gradients. The order changes no
-        value (every layer's sum is its own), only when it leaves.
+    def exchange_step(self, trainer):
+        """Exchange every gradient of ``trainer``'s step in one call (what the Trainer's
+        _allreduce_grads does one key at a time), with its optimizer's momentum.
+
+        One call: small layers travel fused in buckets and every push is on the wire
+        before the first pull. The keys go last layer first: MXNet's engine produces
+        the last layers' gradients first, so each encode waits only for its own
+        gradient. The order changes no value (every layer's sum is its own).
         """
-        if key in self._done_in_step:
-            self._done_in_step.discard(key)
-            return
-        keys = [i for i, p in enumerate(trainer._params)
-                if i >= key and p.grad_req != "null" and p.list_grad()[0].stype == "default"]
-        if key not in keys:     # not a dense gradient of the Trainer: exchange it alone
-            keys = [key]
+        self.attach_trainer(trainer)
+        # (Gluon refuses sparse gradients with a KVStoreBase store: all are dense)
+        keys = [i for i, p in enumerate(trainer._params) if p.grad_req != "null"]
         keys.reverse()          # in the order backward produces them
         grads = [trainer._params[i].list_grad() for i in keys]
         self._momentum = self._momentum_context(trainer)
@@ -318,7 +298,6 @@ class Hylo(KVStoreBase):
             self.pushpull(keys, grads)
         finally:
             self._momentum = None
-        self._done_in_step = set(keys) - {key}
 
     def _warming_up(self, layer):
         """Whether this exchange of a compressed layer is one of its warm-up steps."""
@@ -434,7 +413,7 @@ class Hylo(KVStoreBase):
     def _name(self, key):
         if isinstance(key, str):
             return key
-        trainer, _ = _calling_trainer()
+        trainer = self._trainer() if self._trainer is not None else None
         params = getattr(trainer, "_params", [])
         return params[key].name if 0 <= key < len(params) else str(key)
 
@@ -474,6 +453,7 @@ def _register(name, cls):
 
 _register("hylo", Hylo)
 _register("dist_sync_hylo", DistSyncHylo)
+trainer_hook.install(Hylo)
 
 
 def create(type="hylo", **options):

@@ -23,10 +23,9 @@ import mxnet as mx
 import numpy as np
 
 from .. import ops
-from .compressors import make_compressors
-from .memory import ResidualMemory
-from .policy import LayerPlan
-from .wire import gather_values, pull_values, read_state, slot_payload, state_values
+from .compressors import PullEncoder
+from .wire import (gather_values, pull_values, read_state, rows_from_zero, slot_payload,
+                   state_values)
 
 log = logging.getLogger("mxhylo.server")
 
@@ -53,11 +52,10 @@ class ServerDecoder(mx.optimizer.Optimizer):
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        _merge_layouts(self.layouts)
-        _PULL.set_threshold_scale(self.threshold_scale)
+        _SERVER.merge_layouts(self.layouts)
+        _SERVER.pull.set_threshold_scale(self.threshold_scale)
         if self.mode is not None:
-            global _MODE
-            _MODE = self.mode
+            _SERVER.mode = self.mode
 
     def create_state(self, index, weight):
         return None
@@ -67,62 +65,81 @@ class ServerDecoder(mx.optimizer.Optimizer):
 
     def update(self, index, weight, grad, state):
         for i, w, g in zip(_as_list(index), _as_list(weight), _as_list(grad)):
-            aggregate_into(i, w, g)
+            _SERVER.aggregate_into(i, w, g)
 
     update_multi_precision = update
-
-
-class PullEncoder:
-    """Server-side error feedback: encodes aggregates for the pull with a residual each.
-
-    The codecs are the workers' own (kvstore.compressors) and so is the residual store
-    (kvstore.memory), keyed by the name the caller gives a chunk or layer: the server
-    keeps residual <- aggregate + residual - sent, exactly as a worker does.
-    """
-
-    def __init__(self, threshold_scale=1.0):
-        self.memory = ResidualMemory()
-        self.set_threshold_scale(threshold_scale)
-
-    def set_threshold_scale(self, threshold_scale):
-        self.compressors = make_compressors(threshold_scale)
-
-    def encode(self, name, codec, aggregate, k=None):
-        """Payload of float32 NDArray ``aggregate`` (plus ``name``'s residual) with
-        ``codec`` ('fc_2bit', or 'conv_topk' sending k rows of its first axis)."""
-        plan = LayerPlan(name, tuple(aggregate.shape), codec, k=k)
-        return self.compressors[codec].encode(plan, aggregate, self.memory)
-
-    def state(self, name, shape):
-        """(residual as float32 numpy of ``shape``, 2-bit threshold or None) of ``name``."""
-        residual = self.memory.residual(name, mx.nd.zeros(shape, dtype=np.float32))
-        return residual.asnumpy(), self.memory.scalar(name, "threshold")
-
-    def set_state(self, name, residual, threshold):
-        """Replace ``name``'s residual (numpy) and threshold (None: measure anew)."""
-        res = self.memory.residual(name, mx.nd.zeros(residual.shape, dtype=np.float32))
-        res[:] = residual
-        self.memory.set_scalar(name, "threshold", threshold)
 
 
 def _as_list(x):
     return x if isinstance(x, (list, tuple)) else [x]
 
 
-# This server process's state, module level: it outlives every ServerDecoder that a
-# new table of layouts (new keys) or a mode command replaces.
-_LAYOUTS = {}
-_MODE = "run"
-_PULL = PullEncoder()
+class ServerState:
+    """Everything one server process keeps between ServerDecoders (a new table of
+    layouts, for new keys, or a mode command replaces the decoder, not this):
+
+    layouts: ps key -> (layer name, ChunkLayout), merged from every table received;
+    mode: one of MODES; pull: the PullEncoder of re-compressed pulls (its residuals
+    are the server's checkpointed state).
+    """
+
+    def __init__(self):
+        self.layouts = {}
+        self.mode = "run"
+        self.pull = PullEncoder()
+
+    def merge_layouts(self, layouts):
+        for key, (name, layout) in layouts.items():
+            known = self.layouts.get(key)
+            if known is not None and known != (name, layout):
+                _fatal("workers train different models: parameter-server key %d is %s %s "
+                       "on one worker and %s %s on another"
+                       % (key, known[0], known[1], name, layout))
+            self.layouts[key] = (name, layout)
+
+    def aggregate_into(self, key, stored, received):
+        """Write what the workers pull for ``key`` into ``stored``, from the summed
+        pushes ``received``."""
+        entry = self.layouts.get(key)
+        if entry is None:
+            _fatal("no layout for parameter-server key %d: a worker pushed before sending "
+                   "the hylo layout table" % key)
+        name, layout = entry
+        try:
+            if self.mode != "run" and layout.stateful_pull:
+                if self.mode == "dump":
+                    residual, threshold = self.pull.state("key%d" % key, pull_shape(layout))
+                    stored[:] = rows_from_zero(layout, state_values(layout, residual,
+                                                                    threshold))
+                else:
+                    residual, threshold = read_state(layout,
+                                                     received.tostype("default").asnumpy())
+                    self.pull.set_state("key%d" % key, residual.reshape(pull_shape(layout)),
+                                        threshold)
+                return
+            if layout.kind == "dense":
+                stored[:] = received
+                return
+            if layout.kind == "probe":
+                stored[:] = received * 2 + 1      # proves to the workers that we decode
+                return
+            if layout.pull == "gather":     # the payloads as they came, for every worker
+                stored[:] = rows_from_zero(layout, gather_values(layout, received))
+                return
+            dense = _decode(key, name, layout, received)
+            if layout.pull == "dense":
+                stored[:] = rows_from_zero(layout, dense)
+                return
+            aggregate = dense.reshape((-1,))[:layout.size].reshape(pull_shape(layout))
+            payload = self.pull.encode("key%d" % key, layout.pull, aggregate,
+                                       k=layout.pull_k)
+            stored[:] = rows_from_zero(layout, pull_values(layout, payload))
+        except Exception as err:  # noqa: BLE001 - any failure here must end the job loudly
+            _fatal("decoding key %d (%s, %s) failed: %r" % (key, name, layout.kind, err))
 
 
-def _merge_layouts(layouts):
-    for key, (name, layout) in layouts.items():
-        known = _LAYOUTS.get(key)
-        if known is not None and known != (name, layout):
-            _fatal("workers train different models: parameter-server key %d is %s %s on "
-                   "one worker and %s %s on another" % (key, known[0], known[1], name, layout))
-        _LAYOUTS[key] = (name, layout)
+# This server process's state: one object, outliving every ServerDecoder.
+_SERVER = ServerState()
 
 
 def _fatal(message):
@@ -139,38 +156,6 @@ def pull_shape(layout):
     if layout.pull == "conv_topk":
         return (layout.rows_filters, layout.cols)
     return (layout.size,)
-
-
-def aggregate_into(key, stored, received):
-    """Write what the workers pull for ``key`` into ``stored``, from the summed pushes."""
-    entry = _LAYOUTS.get(key)
-    if entry is None:
-        _fatal("no layout for parameter-server key %d: a worker pushed before sending "
-               "the hylo layout table" % key)
-    name, layout = entry
-    try:
-        if _MODE != "run" and layout.stateful_pull:
-            _dump_state(key, layout, stored) if _MODE == "dump" else \
-                _load_state(key, layout, received)
-            return
-        if layout.kind == "dense":
-            stored[:] = received
-            return
-        if layout.kind == "probe":
-            stored[:] = received * 2 + 1      # proves to the workers that we decode
-            return
-        if layout.pull == "gather":     # the payloads as they came, for every worker
-            _store_rows(stored, layout, gather_values(layout, received))
-            return
-        dense = _decode(key, name, layout, received)
-        if layout.pull == "dense":
-            _store_rows(stored, layout, dense)
-            return
-        aggregate = dense.reshape((-1,))[:layout.size].reshape(pull_shape(layout))
-        payload = _PULL.encode("key%d" % key, layout.pull, aggregate, k=layout.pull_k)
-        _store_rows(stored, layout, pull_values(layout, payload))
-    except Exception as err:  # noqa: BLE001 - any failure here must end the job loudly
-        _fatal("decoding key %d (%s, %s) failed: %r" % (key, name, layout.kind, err))
 
 
 def _decode(key, name, layout, received):
@@ -191,30 +176,6 @@ def _decode(key, name, layout, received):
         ops.dequantize_2bit(payload.arrays[0], payload.scalars[0], (layout.size,),
                             out=flat, accumulate=True)
     return dense
-
-
-def _store_rows(stored, layout, values):
-    """stored[:] = ``values`` (NDArray or numpy, row-major) as rows 0, 1, ... listed
-    explicitly (zero rows included), so that pulls find rows by position."""
-    cols = layout.cols
-    n_rows = -(-int(np.prod(values.shape)) // cols)
-    if isinstance(values, np.ndarray):
-        padded = np.zeros(n_rows * cols, np.float32)
-        padded[:values.size] = values.reshape(-1)
-        values = mx.nd.array(padded)
-    stored[:] = mx.nd.sparse.row_sparse_array(
-        (values.reshape((n_rows, cols)), mx.nd.arange(n_rows, dtype=np.int64)),
-        shape=layout.key_shape)
-
-
-def _dump_state(key, layout, stored):
-    residual, threshold = _PULL.state("key%d" % key, pull_shape(layout))
-    _store_rows(stored, layout, state_values(layout, residual, threshold))
-
-
-def _load_state(key, layout, received):
-    residual, threshold = read_state(layout, received.tostype("default").asnumpy())
-    _PULL.set_state("key%d" % key, residual.reshape(pull_shape(layout)), threshold)
 
 
 def _num_workers():

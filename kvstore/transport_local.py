@@ -6,7 +6,7 @@ aggregate again with the server's residual and decode that), only without a netw
 with one worker the aggregate is that worker's decoded payload.
 """
 from .policy import pull_codec
-from .server import PullEncoder
+from .compressors import PullEncoder
 
 
 class LocalTransport:

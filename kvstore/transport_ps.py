@@ -25,8 +25,9 @@ from .policy import pull_codec
 from .server import ServerDecoder
 from .watchdog import StallWatchdog
 from .wire import (DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, ROW_ID_BYTES, ChunkLayout,
-                   all_rows, empty_push, gather_payloads, plan_chunks, pull_payload,
-                   push_2bit, push_topk, read_state, row_sparse_push, state_values)
+                   empty_push, gather_payloads, plan_chunks, pull_payload,
+                   push_2bit, push_topk, read_state, row_sparse_push, rows_from_zero,
+                   state_values)
 
 DEFAULT_BUCKET_BYTES = 2 << 20     # = DEFAULT_CHUNK_ELEMENTS float32 values
 
@@ -215,7 +216,7 @@ class PSTransport:
             if chunk.kind == "dense":
                 values.append(mx.nd.zeros(chunk.key_shape, ctx=mx.cpu()))
             else:
-                values.append(all_rows(chunk, mx.nd.zeros(chunk.key_shape)))
+                values.append(rows_from_zero(chunk, mx.nd.zeros(chunk.key_shape)))
                 self._pull[pskey] = (
                     mx.nd.sparse.zeros("row_sparse", chunk.key_shape),
                     mx.nd.arange(chunk.pull_rows, dtype=np.int64))

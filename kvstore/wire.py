@@ -273,11 +273,21 @@ def push_topk(layout, indices, values):
     return row_sparse_push(layout, values.reshape((values.shape[0], -1)), rows)
 
 
-def all_rows(layout, dense):
-    """``dense`` (NDArray of the key's shape) as a row_sparse array that lists every
-    row, zero rows included (a pull reads rows by position)."""
+def rows_from_zero(layout, values):
+    """``values`` (NDArray or numpy, row-major; a whole key or fewer rows, the last one
+    padded with zeros) as a row_sparse array of ``layout``'s key whose rows are listed
+    explicitly from row 0, zero rows included: MXNet's dense-to-row_sparse conversion
+    would drop them, and a pull reads rows by position. What a server stores for the
+    workers to pull, and a key's initial value."""
+    cols = layout.cols
+    n_rows = -(-int(np.prod(values.shape)) // cols)
+    if isinstance(values, np.ndarray):
+        padded = np.zeros(n_rows * cols, np.float32)
+        padded[:values.size] = values.reshape(-1)
+        values = mx.nd.array(padded)
     return mx.nd.sparse.row_sparse_array(
-        (dense, mx.nd.arange(layout.rows, dtype=np.int64)), shape=layout.key_shape)
+        (values.reshape((n_rows, cols)), mx.nd.arange(n_rows, dtype=np.int64)),
+        shape=layout.key_shape)
 
 
 # -- pulls: what the servers store for the workers to pull, and its reader -----------

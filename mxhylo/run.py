@@ -140,8 +140,8 @@ class DistributedPatches:
        string): a distributed name ('dist...' or '...hylo...') returns the job's
        store. Why: ps-lite runs one node per process; a script that creates its own
        'dist_sync' store would otherwise hang forever in the second create. Local
-       names ('local', 'device'), and calls from mxhylo's own modules (the hylo
-       store's transport makes its native store), still create a new store.
+       names ('local', 'device') still create a new store. (The job's store and
+       its transport's native store are made before the patches.)
 
     Not patched: gluon.data.DataLoader and other readers (every worker reads all of
     them), learning rates or schedules the script computes from steps it counts
@@ -226,11 +226,8 @@ class DistributedPatches:
 
         @functools.wraps(kv_create)
         def create_returns_job_store(name="local", *args, **kwargs):
-            # mxhylo's own code (the hylo store's parameter-server transport) creates
-            # its native store itself: only the script's calls are redirected.
-            caller = sys._getframe(1).f_globals.get("__name__", "")
-            if caller.startswith("mxhylo."):
-                return kv_create(name, *args, **kwargs)
+            # (the job's store, and its transport's native store, exist before these
+            # patches: only the script's calls come here)
             if isinstance(name, str) and ("dist" in name.lower() or "hylo" in name.lower()):
                 if name.lower() != str(getattr(kv, "type", "")).lower():
                     _say("the script asks for kvstore %r: using the job's %r store "

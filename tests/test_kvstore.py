@@ -252,6 +252,41 @@ def test_trainer_step_exchanges_last_layer_first_and_order_changes_no_value():
     assert policies == {"none", "conv_topk", "fc_2bit"}      # every codec took part
 
 
+def test_trainer_hook_names_keys_before_the_first_step_and_leaves_other_stores():
+    """kvstore.trainer_hook: a plain gluon.Trainer given a hylo store attaches it when
+    Gluon creates the store, so even the parameters' broadcast uses their names; each
+    step is one exchange_step; a Trainer with another store runs Gluon's own loop.
+    (Sparse gradients: Gluon itself refuses a KVStoreBase store for them.)"""
+    net = gluon.nn.Dense(4, in_units=4096)
+    net.initialize(ctx=CTX2)
+    kv = mxhylo.create(warmup_steps=0)
+    steps = []
+    exchange_step = kv.exchange_step
+    kv.exchange_step = lambda trainer: (steps.append(trainer), exchange_step(trainer))
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore=kv)
+    trainer._init_kvstore()
+    trainer._init_params()                  # the broadcast, before any step
+    assert set(kv.plans()) == {net.weight.name, net.bias.name}
+    for _ in range(2):
+        with mx.autograd.record():
+            losses = [net(mx.nd.ones((2, 4096), ctx=c)).sum() for c in CTX2]
+        mx.autograd.backward(losses)
+        trainer.step(4)
+    assert steps == [trainer, trainer]
+    del kv.exchange_step                    # the instance attribute set above
+
+    other = gluon.nn.Dense(4, in_units=8)
+    other.initialize(ctx=CTX2)
+    native = gluon.Trainer(other.collect_params(), "sgd", {"learning_rate": 0.1},
+                           kvstore="device")
+    with mx.autograd.record():
+        losses = [other(mx.nd.ones((2, 8), ctx=c)).sum() for c in CTX2]
+    mx.autograd.backward(losses)
+    native.step(4)                          # Gluon's own loop: the device store sums
+    grads = other.weight.list_grad()
+    np.testing.assert_array_equal(grads[0].asnumpy(), grads[1].asnumpy())
+
+
 def test_trainer_with_compression_off_equals_device_kvstore():
     """policy {'.*': 'none'}: hylo trains exactly like MXNet's 'device' kvstore."""
     from mxhylo.digits import train

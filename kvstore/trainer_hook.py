@@ -1,0 +1,56 @@
+"""The explicit hook between Gluon's Trainer and a hylo store.
+
+Gluon's Trainer hands its store one key per call (the parameter's index) and tells it
+neither the parameter's name, nor the step's other keys, nor the optimizer. A hylo store
+needs all three: names for the policy's regexes, stats() and errors; the whole step
+at once (small layers fused, last layer first); the optimizer's momentum (momentum
+correction). So, as Horovod's DistributedTrainer overrides ``_allreduce_grads``, this
+hook replaces two methods of ``gluon.Trainer`` itself, for Trainers whose kvstore is
+a hylo store, and leaves every other store to Gluon's own code:
+
+* ``_init_kvstore``: once Gluon has created the Trainer's store, a hylo store is told
+  its Trainer (``Hylo.attach_trainer``), before the parameters are broadcast under
+  their indices;
+* ``_allreduce_grads``: a hylo store exchanges the whole step in one call
+  (``Hylo.exchange_step``) instead of Gluon's loop of one pushpull per key.
+
+Patched on the class, so it covers ``gluon.Trainer(kvstore='dist_sync_hylo')`` built by
+the user, mxhylo.LARSTrainer (a subclass) and the Trainers mxhylo.run gives the job's
+store. Installed once, when mxhylo.kvstore is imported (as the store's names are
+registered with MXNet).
+"""
+import functools
+import os
+
+_GLUON = {}      # method name -> Gluon's own function, once installed (install once)
+
+
+def install(store_class):
+    """Route Trainers whose kvstore is an instance of ``store_class`` through it.
+
+    Not on a parameter server or scheduler: they train nothing, and a server imports
+    mxhylo (for the pickled decoder) while MXNet itself is still being imported."""
+    if _GLUON or os.environ.get("DMLC_ROLE") in ("server", "scheduler"):
+        return
+    from mxnet import gluon
+    init_kvstore = gluon.Trainer._init_kvstore
+    allreduce_grads = gluon.Trainer._allreduce_grads
+
+    @functools.wraps(init_kvstore)
+    def _init_kvstore(trainer):
+        init_kvstore(trainer)
+        if isinstance(trainer._kvstore, store_class):
+            trainer._kvstore.attach_trainer(trainer)
+
+    @functools.wraps(allreduce_grads)
+    def _allreduce_grads(trainer):
+        kv = trainer._kvstore
+        if isinstance(kv, store_class) and not trainer._update_on_kvstore:
+            kv.exchange_step(trainer)
+        else:
+            allreduce_grads(trainer)
+
+    _GLUON.update(_init_kvstore=init_kvstore, _allreduce_grads=allreduce_grads)
+    gluon.Trainer._init_kvstore = _init_kvstore
+    gluon.Trainer._allreduce_grads = _allreduce_grads
+
