@@ -22,7 +22,7 @@ import mxhylo
 from mxhylo import ops
 from mxhylo.kvstore.compressors import Payload
 from mxhylo.kvstore.policy import LayerPolicy, compress_pull_mode, pull_codec
-from mxhylo.kvstore.server import PullEncoder
+from mxhylo.kvstore.compressors import PullEncoder
 from mxhylo.kvstore.wire import plan_chunks, pull_payload, pull_values
 
 
