@@ -226,8 +226,8 @@ class Hylo(KVStoreBase):
         clock = time.perf_counter()
         self.transport.prepare(layers)      # keys are made before the first push
         traffic = self.transport.exchange(encode_each())                 # 3. exchange
-        for (layer, _), (pushed, pulled, per_server, messages) in zip(encoded, traffic):
-            self.traffic.record(layer.plan, pushed, pulled, messages, per_server)
+        for (layer, _), t in zip(encoded, traffic):
+            self.traffic.record(layer.plan, t.pushed, t.pulled, t.messages, t.per_server)
         clock = self.traffic.time("exchange", clock)
         for layer, agg, mc, w in zip(layers, aggregates, corrected, warm):
             if w:

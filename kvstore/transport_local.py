@@ -5,11 +5,12 @@ residual, then decode into float32 and aggregate; with compress_pull, encode the
 aggregate again with the server's residual and decode that), only without a network:
 with one worker the aggregate is that worker's decoded payload.
 """
-from .policy import pull_codec
 from .compressors import PullEncoder
+from .policy import pull_codec
+from .transport import Traffic, Transport
 
 
-class LocalTransport:
+class LocalTransport(Transport):
     """Moves payloads between a worker and itself; see the module docstring.
 
     compress_pull: None, 'gather', 'layer' or '2bit' (kvstore.policy.compress_pull_mode);
@@ -35,8 +36,8 @@ class LocalTransport:
     def exchange(self, items):
         """Decode each (layer, payload, out) into float32 ``out``.
 
-        Returns, per item, (bytes pushed, bytes pulled, {server: bytes}, messages):
-        the payload's size, and the size of what a distributed pull returns.
+        Returns one Traffic per item: the payload's size, and the size of what a
+        distributed pull returns.
         """
         traffic = []
         for layer, payload, out in items:
@@ -52,7 +53,7 @@ class LocalTransport:
                 back = self.server.encode(layer.plan.name, codec, out, k=layer.plan.k)
                 self.server.compressors[codec].decode(back, out)
                 pulled = back.nbytes
-            traffic.append((payload.nbytes, pulled, {}, 0))
+            traffic.append(Traffic(pushed=payload.nbytes, pulled=pulled))
         return traffic
 
     def wait(self, layers, aggregates):

@@ -114,7 +114,7 @@ def startup(seed):
         for i, (k, g) in enumerate(zip(keys, grads)):
             want = sum((r + 1) * (step + 1) + i for r in range(kv.num_workers))
             ok &= bool(np.all(g.asnumpy() == want))     # warm-up: compressed layers exact
-    json.dump({"ok": ok, "rank": kv.rank, "buckets": len(kv.transport._bucket_keys)},
+    json.dump({"ok": ok, "rank": kv.rank, "buckets": len(kv.transport.keys.bucket_keys)},
               open(out.format(rank=kv.rank), "w"))
     for name in ("push", "pull", "init", "row_sparse_pull", "_barrier", "set_optimizer"):
         # the delays hold the store in a reference cycle: break it, or the store would

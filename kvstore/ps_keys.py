@@ -1,0 +1,273 @@
+"""Keys and placement over MXNet's parameter server: which keys each hylo layer travels
+in, on which server, and the table of layouts the servers decode with.
+
+Each layer becomes one or more parameter-server keys ("chunks", kvstore.wire): large
+layers are cut into chunks of at most ``chunk_elements`` and every chunk is placed on
+the server that carries the least so far, so every server gets a fair share. Small
+uncompressed layers exchanged together travel fused in buckets, one key each.
+Parameters are broadcast from rank 0 through a dense key of their own. Every key is
+made between exchanges (kv.init is collective), and the servers get the new layouts
+(a pickled ServerDecoder, kvstore.server) before any push of the new keys.
+"""
+import dataclasses
+import zlib
+from dataclasses import dataclass
+from typing import Tuple
+
+import mxnet as mx
+import numpy as np
+
+from .policy import pull_codec
+from .server import ServerDecoder
+from .wire import ChunkLayout, plan_chunks, rows_from_zero
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One parameter-server key of a layer: its id and its layout (kvstore.wire)."""
+    pskey: int
+    layout: ChunkLayout
+
+
+@dataclass(frozen=True)
+class BucketKey:
+    """The key a sequence of small uncompressed layers travels fused in.
+
+    recv: float32 NDArray (elements,) the fused aggregate is pulled into.
+    """
+    pskey: int
+    layout: ChunkLayout
+    recv: mx.nd.NDArray
+
+
+class KeyTable:
+    """The parameter-server keys of one worker's hylo layers (see the module docstring).
+
+    kv: the worker's native 'dist_sync' store; chunk_elements, split_elements,
+    bucket_elements, compress_pull, warmup: see PSTransport; threshold_scale: of the
+    2-bit codec the servers encode pulls with (sent with the layouts).
+    """
+
+    def __init__(self, kv, num_servers, chunk_elements, split_elements, bucket_elements,
+                 compress_pull, threshold_scale, warmup):
+        self.kv = kv
+        self.rank, self.num_workers = kv.rank, kv.num_workers
+        self.num_servers = num_servers
+        self.chunk_elements = chunk_elements
+        self.split_elements = split_elements
+        self.bucket_elements = bucket_elements
+        self.compress_pull = compress_pull
+        self.threshold_scale = threshold_scale
+        self.warmup = warmup
+        self.layouts = {}         # ps key -> (layer name, ChunkLayout), for the servers
+        self.layouts_sent = False
+        self.chunks = {}          # hylo key -> [Chunk]
+        self.warm_chunks = {}     # hylo key of a compressed layer -> its dense [Chunk]
+        self.bucket_keys = {}     # sequence of hylo keys -> BucketKey
+        self.pull_buffers = {}    # ps key -> (row_sparse pull buffer, row ids)
+        self.layer_shapes = {}    # layer name -> shape
+        self._bcast = {}          # hylo key -> ps key of the parameter
+        self._next_key = 0
+        self._load = [0] * num_servers
+        # workers' model check: each worker writes a fingerprint of every new layer into
+        # its own slot of this key; the server's sum gathers them (see check_same_model)
+        self._check_key = self._key_on(0)
+        self.layouts[self._check_key] = (
+            "model check", ChunkLayout("dense", 0, self.num_workers, self.num_workers))
+        self.kv.init(self._check_key, mx.nd.zeros((self.num_workers,)))
+
+    # -- ids and placement ---------------------------------------------------------------
+
+    def _key_on(self, server):
+        """A fresh key id that MXNet routes to ``server``.
+
+        MXNet sends a key below its big-array bound to server (key * 9973) % S.
+        """
+        key = self._next_key
+        while (key * 9973) % self.num_servers != server:
+            key += 1
+        self._next_key = key + 1
+        return key
+
+    def _place(self, nbytes):
+        """A fresh key on the least-loaded server; (key, server)."""
+        server = int(np.argmin(self._load))
+        self._load[server] += nbytes
+        return self._key_on(server), server
+
+    # -- the servers' layout table -------------------------------------------------------
+
+    def send_layouts(self, mode=None):
+        """Send the servers every key's layout (and a mode, kvstore.server.MODES)."""
+        self.kv.set_optimizer(ServerDecoder(self.layouts, self.threshold_scale, mode))
+        self.layouts_sent = True
+
+    def check_servers_decode(self):
+        """Fail fast unless every server runs hylo's decoder.
+
+        A server that cannot import mxhylo only logs the failed unpickling and goes on
+        summing, which would hand the workers raw payloads as gradients. Each server
+        gets a probe key whose pull proves the decoder ran.
+        """
+        probes = []
+        for server in range(self.num_servers):
+            key = self._key_on(server)
+            self.layouts[key] = ("probe", ChunkLayout("probe", 0, 1, 1, server=server))
+            probes.append(key)
+        self.kv.init(probes, [mx.nd.zeros((1,)) for _ in probes])
+        self.send_layouts()
+        outs = [mx.nd.zeros((1,)) for _ in probes]
+        for key in probes:
+            self.kv.push(key, mx.nd.ones((1,)))
+        self.kv.pull(probes, out=outs)
+        got = [float(o.asscalar()) for o in outs]
+        bad = [s for s, v in enumerate(got) if v != 2 * self.num_workers + 1]
+        if bad:
+            raise RuntimeError(
+                "parameter server(s) %s do not run hylo's decoder (probe returned %s, "
+                "expected %d): a server process must be able to import mxhylo; see that "
+                "server's output for the import error" % (
+                    bad, [got[s] for s in bad], 2 * self.num_workers + 1))
+
+    def check_same_model(self, layer):
+        """Raise unless every worker has the same layer (shape, strategy) at this point.
+
+        Without this check a worker whose model differs dies in ps-lite with a size
+        check that does not say why.
+        """
+        text = repr((layer.plan.shape, layer.plan.strategy)).encode()
+        mine = float(zlib.crc32(text) % (1 << 23) + 1)      # exact in float32
+        slots = np.zeros(self.num_workers, np.float32)
+        slots[self.rank] = mine
+        got = mx.nd.zeros((self.num_workers,))
+        self.kv.push(self._check_key, mx.nd.array(slots))
+        self.kv.pull(self._check_key, out=got)
+        if not np.all(got.asnumpy() == mine):
+            raise RuntimeError(
+                "workers train different models: layer %r (key %r) is %s with policy %s "
+                "on worker %d, and differs on another worker" % (
+                    layer.plan.name, layer.key, layer.plan.shape, layer.plan.strategy,
+                    self.rank))
+
+    # -- a layer's keys ------------------------------------------------------------------
+
+    def init(self, layer, value):
+        """Create the layer's keys on the servers (every worker calls this, in order)."""
+        if layer.key in self._bcast:
+            return
+        self.check_same_model(layer)
+        bkey, _ = self._place(0)      # used once, at init: not part of the steady load
+        keys, values = [bkey], [value]
+        chunks, warm = [], []
+        layouts = plan_chunks(layer.plan.strategy, layer.plan.shape, self.num_workers,
+                              self.num_servers, self.chunk_elements, self.split_elements,
+                              pull=pull_codec(layer.plan.strategy, self.compress_pull),
+                              pull_rate=layer.plan.rate, push_k=layer.plan.k)
+        if self.warmup and layer.plan.strategy != "none":
+            # dense keys for the warm-up steps (not counted in the steady load)
+            for chunk in plan_chunks("none", layer.plan.shape, self.num_workers,
+                                     self.num_servers, self.chunk_elements,
+                                     self.split_elements):
+                server = len(warm) % self.num_servers
+                pskey = self._key_on(server)
+                chunk = dataclasses.replace(chunk, server=server)
+                warm.append(Chunk(pskey, chunk))
+                self.layouts[pskey] = (layer.plan.name + " (warm-up)", chunk)
+                keys.append(pskey)
+                values.append(mx.nd.zeros(chunk.key_shape, ctx=mx.cpu()))
+        for chunk in layouts:
+            pskey, server = self._place(4 * chunk.size)
+            chunk = dataclasses.replace(chunk, server=server)
+            chunks.append(Chunk(pskey, chunk))
+            self.layouts[pskey] = (layer.plan.name, chunk)
+            keys.append(pskey)
+            if chunk.kind == "dense":
+                values.append(mx.nd.zeros(chunk.key_shape, ctx=mx.cpu()))
+            else:
+                values.append(rows_from_zero(chunk, mx.nd.zeros(chunk.key_shape)))
+                self.pull_buffers[pskey] = (
+                    mx.nd.sparse.zeros("row_sparse", chunk.key_shape),
+                    mx.nd.arange(chunk.pull_rows, dtype=np.int64))
+        self.kv.init(keys, values)      # one barrier for the layer
+        self._bcast[layer.key] = bkey
+        self.chunks[layer.key] = chunks
+        if warm:
+            self.warm_chunks[layer.key] = warm
+        self.layer_shapes[layer.plan.name] = tuple(layer.plan.shape)
+        self.layouts_sent = False
+
+    def broadcast_key(self, layer):
+        """The dense key rank 0's value of ``layer`` was initialised in."""
+        return self._bcast[layer.key]
+
+    def route(self, layer, payload):
+        """The [Chunk] a payload travels in: the layer's own keys, or for a compressed
+        layer's warm-up (dense) payload its dense keys."""
+        if payload.strategy == "none" and layer.plan.strategy != "none":
+            warm = self.warm_chunks.get(layer.key)
+            if warm is None:
+                raise RuntimeError("layer %r sent uncompressed without warm-up keys: create "
+                                   "the store with warmup_steps > 0" % (layer.plan.name,))
+            return warm
+        return self.chunks[layer.key]
+
+    def compressed_pull_chunks(self):
+        """[(layer name, Chunk)] of every chunk whose pull the servers encode (and so
+        keep a residual for)."""
+        return [(self.layouts[c.pskey][0], c) for chunks in self.chunks.values()
+                for c in chunks if c.layout.stateful_pull]
+
+    # -- buckets -------------------------------------------------------------------------
+
+    def fusable(self, layer):
+        """Whether the layer travels fused into a bucket: uncompressed, one key, small."""
+        return (layer.plan.strategy == "none" and len(self.chunks[layer.key]) == 1
+                and layer.plan.size <= self.bucket_elements)
+
+    def bucket_groups(self, entries, layer_of=lambda entry: entry):
+        """Entries of fusable layers, in order, cut into groups of at most
+        bucket_elements (summed over each group's layers)."""
+        groups, group, total = [], [], 0
+        for entry in entries:
+            size = layer_of(entry).plan.size
+            if group and total + size > self.bucket_elements:
+                groups.append(group)
+                group, total = [], 0
+            group.append(entry)
+            total += size
+        if group:
+            groups.append(group)
+        return groups
+
+    def prepare(self, layers):
+        """Create the keys an exchange of ``layers`` (in item order) needs and does not
+        have yet: the bucket of a new sequence of small layers; then send the servers
+        any layout they do not have. Called before the exchange's first push.
+
+        kv.init is collective (rank 0 pushes the value, then every worker meets at a
+        barrier), so every key is made here, between exchanges, with no push of this
+        worker in flight, and the servers get the new layouts before any push of that
+        key: key creation is ordered with respect to the traffic on every worker.
+        """
+        for layer in layers:
+            if layer.key not in self.chunks:
+                raise KeyError("key %r (%s) was pushed before being initialised: call "
+                               "broadcast first" % (layer.key, layer.plan.name))
+        for group in self.bucket_groups([l for l in layers if self.fusable(l)]):
+            signature = bucket_signature(group)
+            if len(group) == 1 or signature in self.bucket_keys:
+                continue
+            size = sum(layer.plan.size for layer in group)
+            pskey, server = self._place(4 * size)
+            chunk = ChunkLayout("dense", 0, size, size, server=server)
+            self.layouts[pskey] = ("bucket:" + ",".join(l.plan.name for l in group), chunk)
+            self.layouts_sent = False
+            self.kv.init(pskey, mx.nd.zeros((size,)))
+            self.bucket_keys[signature] = BucketKey(pskey, chunk, mx.nd.empty((size,)))
+        if not self.layouts_sent:
+            self.send_layouts()
+
+
+def bucket_signature(layers) -> Tuple:
+    """The bucket a group of layers travels in is named by their keys, in order."""
+    return tuple(layer.key for layer in layers)

@@ -1,0 +1,71 @@
+"""The one interface the hylo store moves payloads through, and what it reports back.
+
+Two transports implement it: kvstore.transport_local (one process: the 'server' is a
+decode right here) and kvstore.transport_ps (MXNet's parameter server). The store
+(kvstore.hylo) calls, per step: ``prepare(layers)``, ``exchange(items)`` (items may be a
+generator that encodes on demand), then ``wait(layers, aggregates)``.
+"""
+import abc
+from dataclasses import dataclass, field
+from typing import Dict
+
+
+@dataclass
+class Traffic:
+    """What one layer's exchange put on the wire, in bytes of payload values and row
+    ids (not ps-lite's own message headers).
+
+    pushed, pulled: bytes this worker sent and received; per_server: server index ->
+    bytes both ways; messages: pushes (each has one pull).
+    """
+    pushed: int = 0
+    pulled: int = 0
+    per_server: Dict[int, int] = field(default_factory=dict)
+    messages: int = 0
+
+    def count(self, server, pushed=0, pulled=0, messages=0):
+        self.pushed += pushed
+        self.pulled += pulled
+        self.per_server[server] = self.per_server.get(server, 0) + pushed + pulled
+        self.messages += messages
+
+
+class Transport(abc.ABC):
+    """Moves one worker's encoded layers to the aggregation and the aggregates back.
+
+    rank, num_workers: this worker and the job's size (attributes).
+    """
+    rank = 0
+    num_workers = 1
+
+    @abc.abstractmethod
+    def init(self, layer, value):
+        """Create ``layer``'s keys (every worker calls this, in the same order)."""
+
+    @abc.abstractmethod
+    def broadcast(self, layer, value, outs):
+        """Write rank 0's ``value`` of ``layer`` into every NDArray of ``outs``."""
+
+    @abc.abstractmethod
+    def prepare(self, layers):
+        """Create what an exchange of ``layers`` needs, before its first push."""
+
+    @abc.abstractmethod
+    def exchange(self, items):
+        """Move (layer, payload, out) items: every worker's payloads of a layer,
+        aggregated, end up in its float32 ``out`` (written asynchronously: see
+        ``wait``). Returns one Traffic per item, in order."""
+
+    @abc.abstractmethod
+    def wait(self, layers, aggregates):
+        """Block until every aggregate of the exchange is written."""
+
+    @abc.abstractmethod
+    def server_state(self):
+        """{layer name: (residual numpy of the layer's shape, [threshold or None per
+        piece])} of the aggregation side's compressed pull, for a checkpoint."""
+
+    @abc.abstractmethod
+    def load_server_state(self, state):
+        """Replace that state with what ``server_state`` returned (layers absent from it
+        start anew)."""
