@@ -6,80 +6,19 @@ the residual in and leaves what was not sent in it; ``decode`` writes or adds a
 payload into a dense float32 array, so a receiver aggregates any number of payloads
 (each worker's own threshold or kernel choice) by decoding with accumulate=True.
 
-make_compressors() builds the registry: the policy's strategy names -> instances.
+CODECS is the registry (a new codec: one file and one entry there); make_compressors()
+builds it: the policy's strategy names -> instances.
 PullEncoder runs the same codecs on an aggregate, with residuals of its own (the
 compressed pull).
 """
-from dataclasses import dataclass
-from typing import Tuple
-
 import mxnet as mx
 import numpy as np
 
 from .. import ops
+from .codec import Compressor, Payload, undo_encode, raise_non_finite
+from .codec_fp16 import Float16
 from .memory import ResidualMemory
 from .policy import LayerPlan
-
-
-@dataclass
-class Payload:
-    """One worker's encoded gradient of one layer.
-
-    strategy: the codec's name; shape: the dense gradient's shape;
-    arrays: the encoded tensors (NDArrays); scalars: small float header values.
-    """
-    strategy: str
-    shape: Tuple[int, ...]
-    arrays: Tuple[mx.nd.NDArray, ...]
-    scalars: Tuple[float, ...] = ()
-
-    @property
-    def nbytes(self):
-        """Encoded size in bytes: the arrays as they are plus 4 bytes per header scalar."""
-        return sum(a.size * np.dtype(a.dtype).itemsize for a in self.arrays) + 4 * len(self.scalars)
-
-
-def _raise_non_finite(name, count, size):
-    raise FloatingPointError(
-        "non-finite gradient in layer %r: %d of %d elements are NaN or Inf. The step is "
-        "abandoned and the layer's residual left as it was. With fp16, use "
-        "loss scaling (mxhylo.LARSTrainer skips overflowing steps before they are sent)."
-        % (name, count, size))
-
-
-def _abandon(compressor, payload, grad, residual):
-    """Undo an encode whose gradient had non-finite elements, then raise.
-
-    The operators have already left residual <- grad + residual - sent for the finite
-    elements (non-finite ones keep their residual); adding back what was not sent and
-    taking the gradient out again restores the residual to within float32 rounding.
-    The check comes after the operator because it is a by-product of the same pass.
-    """
-    sent = mx.nd.zeros(residual.shape, ctx=residual.context, dtype=np.float32)
-    compressor.decode(payload, sent)
-    g = grad.astype(np.float32)
-    finite = mx.nd.contrib.isfinite(g)
-    residual[:] = mx.nd.where(finite, residual + sent - mx.nd.where(finite, g, sent), residual)
-
-
-class Compressor:
-    """Interface of a codec. ``name`` is the strategy name the policy uses."""
-    name = None
-
-    def encode(self, plan, grad, memory):
-        """Encode NDArray ``grad`` of layer ``plan`` -> Payload; updates ``memory``."""
-        raise NotImplementedError
-
-    def decode(self, payload, out, accumulate=False):
-        """Write (or with accumulate, add) the decoded payload into float32 NDArray ``out``."""
-        raise NotImplementedError
-
-    def zero_sent(self, payload, values, out):
-        """``out[:] = values`` with every element the payload sent set to 0 (float32
-        NDArrays of the payload's shape; momentum factor masking). Sent: decoded != 0."""
-        sent = mx.nd.zeros(values.shape, ctx=values.context, dtype=np.float32)
-        self.decode(payload, sent)
-        mx.nd.elemwise_mul(values, sent == 0, out=out)
 
 
 class NoCompression(Compressor):
@@ -109,6 +48,8 @@ class TwoBit(Compressor):
     and the threshold.
     """
     name = "fc_2bit"
+    wire = "slots"
+    scalars = 1         # the threshold
 
     def __init__(self, threshold_scale=1.0):
         self.threshold_scale = float(threshold_scale)
@@ -116,7 +57,7 @@ class TwoBit(Compressor):
     def _threshold(self, stats, plan):
         total, bad = (float(v) for v in stats.asnumpy())
         if bad:
-            _raise_non_finite(plan.name, int(bad), plan.size)
+            raise_non_finite(plan.name, int(bad), plan.size)
         return self._scaled(total, plan)
 
     def _scaled(self, total, plan):
@@ -134,8 +75,8 @@ class TwoBit(Compressor):
         payload = Payload(self.name, tuple(grad.shape), (codes,), (t,))
         total, bad = (float(v) for v in stats.asnumpy())
         if bad:
-            _abandon(self, payload, grad, residual)
-            _raise_non_finite(plan.name, int(bad), plan.size)
+            undo_encode(self, payload, grad, residual)
+            raise_non_finite(plan.name, int(bad), plan.size)
         memory.set_scalar(plan.name, "threshold", self._scaled(total, plan))
         return payload
 
@@ -143,6 +84,17 @@ class TwoBit(Compressor):
         (codes,) = payload.arrays
         ops.dequantize_2bit(codes, payload.scalars[0], payload.shape, out=out,
                             accumulate=accumulate)
+
+    def to_bytes(self, payload):
+        return payload.arrays[0].asnumpy().view(np.uint8)
+
+    def byte_span(self, lo, hi):
+        return lo // 4, 4 * -(-hi // 16)        # whole int32 words of 16 codes
+
+    def piece_payload(self, data, scalars, size):
+        words = np.ascontiguousarray(data[:self.byte_span(0, size)[1]]).view(np.int32)
+        return Payload(self.name, (size,), (mx.nd.array(words, dtype=np.int32),),
+                       tuple(float(v) for v in scalars))
 
 
 class ConvTopK(Compressor):
@@ -152,6 +104,7 @@ class ConvTopK(Compressor):
     filters not sent stay in the residual.
     """
     name = "conv_topk"
+    wire = "rows"
 
     def encode(self, plan, grad, memory):
         residual = memory.residual(plan.name, grad)
@@ -159,8 +112,8 @@ class ConvTopK(Compressor):
         payload = Payload(self.name, tuple(grad.shape), (indices, values))
         bad = float(stats.asnumpy()[1])
         if bad:
-            _abandon(self, payload, grad, residual)
-            _raise_non_finite(plan.name, int(bad), plan.size)
+            undo_encode(self, payload, grad, residual)
+            raise_non_finite(plan.name, int(bad), plan.size)
         return payload
 
     def decode(self, payload, out, accumulate=False):
@@ -214,6 +167,11 @@ class PullEncoder:
         self.memory.set_scalar(name, "threshold", threshold)
 
 
+# The registry: every codec the policy can name (a strategy), one entry each.
+CODECS = (NoCompression, TwoBit, ConvTopK, Float16)
+CODEC_NAMES = tuple(c.name for c in CODECS)
+
+
 def make_compressors(threshold_scale=1.0):
-    """The registry: strategy name -> Compressor instance."""
-    return {c.name: c for c in (NoCompression(), TwoBit(threshold_scale), ConvTopK())}
+    """Strategy name -> Compressor instance, for every codec of CODECS."""
+    return {c.name: c(threshold_scale) for c in CODECS}

@@ -34,6 +34,8 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+# the strategies the rule below chooses; overrides may name any codec of the registry
+# (kvstore.compressors.CODECS), e.g. 'fp16'
 STRATEGIES = ("none", "conv_topk", "fc_2bit")
 
 DEFAULT_SIZE_THRESHOLD = 8192
@@ -92,11 +94,12 @@ class LayerPolicy:
         self.max_conv_rate = float(max_conv_rate)
         self.min_conv_rate = float(min_conv_rate)
         self.threshold_scale = float(threshold_scale)
+        from .compressors import CODEC_NAMES     # (the codecs import LayerPlan from here)
         self.overrides = []
         for pattern, strategy in (policy or {}).items():
-            if strategy not in STRATEGIES:
+            if strategy not in CODEC_NAMES:
                 raise ValueError("policy %r -> %r: strategy must be one of %s"
-                                 % (pattern, strategy, ", ".join(STRATEGIES)))
+                                 % (pattern, strategy, ", ".join(CODEC_NAMES)))
             try:
                 self.overrides.append((re.compile(pattern), strategy))
             except re.error as err:
@@ -181,4 +184,7 @@ def pull_codec(strategy, mode):
         return "dense"
     if mode == "gather":
         return "gather"
-    return "fc_2bit" if mode == "2bit" else strategy
+    if mode == "2bit":
+        return "fc_2bit"
+    # 'layer': the layer's own family where the servers have a pull encoder for it
+    return strategy if strategy in ("fc_2bit", "conv_topk") else "dense"

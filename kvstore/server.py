@@ -22,7 +22,6 @@ import os
 import mxnet as mx
 import numpy as np
 
-from .. import ops
 from .compressors import PullEncoder
 from .wire import (gather_values, pull_values, read_state, rows_from_zero, slot_payload,
                    state_values)
@@ -173,8 +172,7 @@ def _decode(key, name, layout, received):
         if not mine.any():
             _fatal("key %d (%s): worker slot %d is empty" % (key, name, w))
         payload = slot_payload(layout, data[mine].reshape(-1))
-        ops.dequantize_2bit(payload.arrays[0], payload.scalars[0], (layout.size,),
-                            out=flat, accumulate=True)
+        _SERVER.pull.compressors[payload.strategy].decode(payload, flat, accumulate=True)
     return dense
 
 

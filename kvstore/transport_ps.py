@@ -23,7 +23,7 @@ from .ps_keys import Chunk, KeyTable, bucket_signature
 from .transport import Traffic, Transport
 from .watchdog import StallWatchdog
 from .wire import (DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, ROW_ID_BYTES, ChunkLayout,
-                   empty_push, gather_payloads, pull_payload, push_2bit, push_topk)
+                   empty_push, gather_payloads, pull_payload, push_slot, push_topk)
 
 DEFAULT_BUCKET_BYTES = 2 << 20     # = DEFAULT_CHUNK_ELEMENTS float32 values
 
@@ -126,7 +126,7 @@ class PSTransport(Transport):
         self.checkpoint = ServerCheckpoint(self.keys, collective_timeout)
         self.watchdog = StallWatchdog(stall_timeout, rank=self.rank)
         self._exchanges = 0
-        self._codecs = make_compressors()      # decoders of compressed pulls
+        self._codecs = make_compressors()      # wire forms of pushes, decoders of pulls
         self.keys.check_servers_decode()
 
     # -- keys (kvstore.ps_keys) ----------------------------------------------------------
@@ -263,10 +263,11 @@ class PSTransport(Transport):
 
     def _encode_pushes(self, chunks, payload):
         """Per Chunk: (value to push, bytes on the wire), in kvstore.wire's layouts."""
-        if payload.strategy == "none":
+        codec = self._codecs[payload.strategy]
+        if codec.wire == "dense":
             flat = payload.arrays[0].reshape((-1,))
             return [(flat[c.layout.lo:c.layout.hi], 4 * c.layout.size) for c in chunks]
-        if payload.strategy == "conv_topk":
+        if codec.wire == "rows":
             indices, values = payload.arrays
             pushes = []
             for c, (a, b) in zip(chunks, self._topk_spans(chunks, indices)):
@@ -274,10 +275,12 @@ class PSTransport(Transport):
                 pushes.append(empty_push(c.layout) if a == b else
                               push_topk(c.layout, indices[a:b], values[a:b]))
             return pushes
-        codes, threshold = payload.arrays[0].asnumpy().view(np.uint8), payload.scalars[0]
-        return [push_2bit(c.layout, self.rank,
-                          codes[c.layout.lo // 4:4 * -(-c.layout.hi // 16)], threshold)
-                for c in chunks]
+        data = codec.to_bytes(payload)
+        pushes = []
+        for c in chunks:
+            a, b = codec.byte_span(c.layout.lo, c.layout.hi)
+            pushes.append(push_slot(c.layout, self.rank, data[a:b], payload.scalars))
+        return pushes
 
     @staticmethod
     def _topk_spans(chunks, indices):

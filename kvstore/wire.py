@@ -9,14 +9,16 @@ payloads are laid out so that this sum does exactly what Hylo's server must do:
   pushes only the rows of the filters it selected, so the bytes on the wire are the
   compressed size, and the server's sum of row_sparse pushes is the scatter-add
   decode of all workers' payloads.
-* ``2bit`` chunks (fc_2bit): 2-bit codes cannot be summed, so each worker owns a slot
-  of ``slot_rows`` rows (worker w: rows [w * slot_rows, (w + 1) * slot_rows)) and
-  pushes only those rows; the slots do not overlap, so the server's sum gathers every
+* ``slots`` chunks (fc_2bit, fp16: any codec whose ``wire`` is 'slots',
+  kvstore.codec): encoded bytes cannot be summed, so each worker owns a slot of
+  ``slot_rows`` rows (worker w: rows [w * slot_rows, (w + 1) * slot_rows)) and pushes
+  only those rows; the slots do not overlap, so the server's sum gathers every
   worker's payload unchanged, and the server-side decoder (kvstore.server) decodes
-  each slot with that worker's own threshold (the slot's first value).
-  Codes travel as 24-bit integers in float32 values (12 two-bit codes per value):
-  every integer below 2**24 is exact in float32, so adding the zeros of other slots
-  cannot alter a payload, which raw bit patterns (NaN, denormals) could not promise.
+  each slot with the chunk's codec: first the payload's header scalars (fc_2bit: the
+  worker's own threshold), then its bytes. Bytes travel as 24-bit integers in float32
+  values (12 two-bit codes per value): every integer below 2**24 is exact in float32,
+  so adding the zeros of other slots cannot alter a payload, which raw bit patterns
+  (NaN, denormals) could not promise.
 
 The server stores what the workers pull as a row_sparse array whose rows are listed
 explicitly from row 0 (zero rows included: MXNet's dense-to-row_sparse conversion would
@@ -24,7 +26,7 @@ drop them, and its pull reads rows by position); a worker pulls rows [0, pull_ro
 
 * ``pull='dense'``: the chunk's dense float32 aggregate, row-major (dense_rows rows);
 * ``pull='gather'`` (exact, no server state): the workers' payloads as the server's
-  sum gathered them. A ``2bit`` chunk: every worker's slot unchanged (rows [0,
+  sum gathered them. A ``slots`` chunk: every worker's slot unchanged (rows [0,
   W * slot_rows)), which each worker decodes in rank order, exactly as the server
   would; a ``topk`` chunk: a header row block with the count u of filters any worker
   sent, then their u indices, then those u summed filters (pull_k = min(filters,
@@ -39,7 +41,7 @@ Checkpoints move the servers' residuals through the same keys (kvstore.server's
 'dump' and 'load' modes): state_rows rows of the residual, then the codec scalars.
 
 Every layout has its writer next to its reader here: pushes (``push_*``, read by the
-servers' sum and by :func:`slot_payloads`), pulls (``pull_values`` /
+servers' sum and by :func:`slot_payload`), pulls (``pull_values`` /
 ``pull_payload``, ``gather_values`` / ``gather_payloads``), checkpoint state
 (``state_values`` / ``read_state``); the transport and the servers only move them.
 """
@@ -49,7 +51,7 @@ from dataclasses import dataclass
 import mxnet as mx
 import numpy as np
 
-from .compressors import Payload
+from .compressors import Payload, make_compressors
 
 PULL_CODECS = ("dense", "gather", "fc_2bit", "conv_topk")
 
@@ -60,7 +62,10 @@ ROW_DATA = 1024                          # columns of a 2-bit chunk's rows
 DEFAULT_CHUNK_ELEMENTS = 976 * ROW_DATA  # a whole number of rows, under 1e6
 # Layers of at least this many elements are spread evenly over all servers.
 DEFAULT_SPLIT_MIN = 1 << 18
-CODES_PER_VALUE = 12          # 24 bits per float32 value
+BYTES_PER_VALUE = 3           # payload bytes per float32 value (24-bit integers)
+PIECE_UNIT = 16               # pieces of a layer start at multiples of this (a 2-bit word)
+# the codecs' layout facts (wire, scalars, byte spans; kvstore.codec), by strategy name
+_CODECS = make_compressors()
 ROW_ID_BYTES = 8              # row_sparse pushes and pulls carry int64 row ids
 
 
@@ -68,12 +73,12 @@ ROW_ID_BYTES = 8              # row_sparse pushes and pulls carry int64 row ids
 class ChunkLayout:
     """One parameter-server key carrying a piece of one layer.
 
-    kind: 'dense' | 'topk' | '2bit' ('probe': the start-up check that a server
+    kind: 'dense' | 'topk' | 'slots' ('probe': the start-up check that a server
     decodes); lo, hi: the piece, in elements of the flat layer
-    for dense and 2bit, in filters for topk; size: elements of the piece; cols: row
+    for dense and slots, in filters for topk; size: elements of the piece; cols: row
     width; rows: rows of the key; slot_rows: rows per worker's slot
-    (2bit); slots: workers' slots (2bit); dense_rows: rows of the dense aggregate;
-    server: index of the server;
+    (slots); slots: workers' slots (slots); codec: the codec of a slots chunk;
+    dense_rows: rows of the dense aggregate; server: index of the server;
     pull: how the aggregate comes back (PULL_CODECS); pull_k: filters pulled per step
     (pull='conv_topk', or at most that many with pull='gather').
     """
@@ -89,6 +94,7 @@ class ChunkLayout:
     pull: str = "dense"
     pull_k: int = 0
     slots: int = 0
+    codec: str = ""
 
     @property
     def offset(self):
@@ -113,7 +119,7 @@ class ChunkLayout:
     def pull_rows(self):
         """Rows a worker pulls: the compressed aggregate, or the dense one."""
         if self.pull == "gather":
-            if self.kind == "2bit":
+            if self.kind == "slots":
                 return self.slots * self.slot_rows
             return -(-(1 + self.pull_k) // self.cols) + self.pull_k
         if self.pull == "fc_2bit":
@@ -132,10 +138,9 @@ class ChunkLayout:
         return -(-self.state_values // self.cols)
 
 
-def two_bit_values(n_elements):
-    """float32 values of one worker's 24-bit-packed codes for n_elements."""
-    words = -(-n_elements // 16)
-    return -(-words * 32 // 24)
+def slot_values(n_bytes):
+    """float32 values that carry n_bytes of a payload (as 24-bit integers)."""
+    return -(-n_bytes // BYTES_PER_VALUE)
 
 
 def _pieces(n, chunk_elements, num_servers, split_min, unit, wire_fraction=1.0):
@@ -182,20 +187,21 @@ def plan_chunks(strategy, shape, num_workers, num_servers=1,
                    for lo, hi in _pieces(n, max(chunk_elements, per_filter), num_servers,
                                          split_min, per_filter, wire_fraction)]
     else:
-        # 2-bit pieces start on a code word (16 elements)
-        pieces = _pieces(n, chunk_elements, num_servers, split_min, 16)
-        if strategy == "none":
+        pieces = _pieces(n, chunk_elements, num_servers, split_min, PIECE_UNIT)
+        codec = _CODECS[strategy]
+        if codec.wire == "dense":
             return [ChunkLayout("dense", lo, hi, hi - lo) for lo, hi in pieces]
         layouts = []
         for lo, hi in pieces:
             size = hi - lo
             cols = min(ROW_DATA, size)
-            slot_rows = -(-(1 + two_bit_values(size)) // cols)     # threshold, then codes
+            # the header scalars, then the bytes
+            slot_rows = -(-(codec.scalars + slot_values(codec.byte_span(0, size)[1])) // cols)
             dense_rows = -(-size // cols)
-            layouts.append(ChunkLayout("2bit", lo, hi, size, cols=cols,
+            layouts.append(ChunkLayout("slots", lo, hi, size, cols=cols,
                                        rows=max(num_workers * slot_rows, dense_rows),
                                        slot_rows=slot_rows, dense_rows=dense_rows,
-                                       slots=num_workers))
+                                       slots=num_workers, codec=strategy))
     return [_with_pull(c, pull, pull_rate, num_workers * (push_k or 0)) for c in layouts]
 
 
@@ -243,24 +249,26 @@ def empty_push(layout):
     return row_sparse_push(layout, np.zeros(layout.cols, np.float32), np.zeros(1, np.int64))
 
 
-def push_2bit(layout, rank, codes_u8, threshold):
-    """Worker ``rank``'s push of a '2bit' chunk: its slot (rows [rank * slot_rows,
-    (rank + 1) * slot_rows)) holding the threshold, then the chunk's code bytes
-    (uint8, little-endian int32 words, starting at the chunk's first word) as 24-bit
+def push_slot(layout, rank, data, scalars):
+    """Worker ``rank``'s push of a 'slots' chunk: its slot (rows [rank * slot_rows,
+    (rank + 1) * slot_rows)) holding the payload's header ``scalars``, then the chunk's
+    bytes ``data`` (uint8 numpy, the codec's byte_span of the chunk) as 24-bit
     integers. Read by :func:`slot_payload`."""
-    packed = pack_codes(codes_u8)
-    data = np.zeros(layout.slot_rows * layout.cols, np.float32)
-    data[0] = threshold
-    data[1:1 + len(packed)] = packed
-    return row_sparse_push(layout, data, rank * layout.slot_rows + np.arange(layout.slot_rows))
+    packed = pack_bytes(data)
+    values = np.zeros(layout.slot_rows * layout.cols, np.float32)
+    values[:len(scalars)] = scalars
+    values[len(scalars):len(scalars) + len(packed)] = packed
+    return row_sparse_push(layout, values,
+                           rank * layout.slot_rows + np.arange(layout.slot_rows))
 
 
 def slot_payload(layout, slot):
-    """One worker's slot of a '2bit' chunk (float32 values, slot_rows * cols or fewer:
-    threshold, then codes) -> its fc_2bit Payload."""
-    codes = unpack_codes(slot[1:], -(-layout.size // 16))
-    return Payload("fc_2bit", (layout.size,), (mx.nd.array(codes, dtype=np.int32),),
-                   (float(slot[0]),))
+    """One worker's slot of a 'slots' chunk (float32 values, slot_rows * cols or fewer:
+    header scalars, then bytes) -> its Payload of the chunk's codec."""
+    codec = _CODECS[layout.codec]
+    n = codec.scalars
+    data = unpack_bytes(slot[n:], codec.byte_span(0, layout.size)[1])
+    return codec.piece_payload(data, slot[:n], layout.size)
 
 
 def push_topk(layout, indices, values):
@@ -330,7 +338,7 @@ def pull_payload(layout, values):
 def gather_values(layout, received):
     """The server's side of a 'gather' pull: the summed pushes (row_sparse NDArray of
     the key) -> what the workers pull, as an NDArray or numpy array of pull_rows rows."""
-    if layout.kind == "2bit":
+    if layout.kind == "slots":
         # every worker pushed all rows of its slot: the sum lists rows 0 .. W*slot_rows-1
         return received.data
     indices = received.indices.asnumpy()
@@ -351,7 +359,7 @@ def gather_values(layout, received):
 def gather_payloads(layout, values):
     """The workers' side of a 'gather' pull: pulled float32 values (pull_rows * cols,)
     -> the Payloads whose decodes, accumulated in order, are the chunk's aggregate."""
-    if layout.kind == "2bit":
+    if layout.kind == "slots":
         per_slot = layout.slot_rows * layout.cols
         return [slot_payload(layout, values[w * per_slot:(w + 1) * per_slot])
                 for w in range(layout.slots)]
@@ -387,18 +395,18 @@ def read_state(layout, values):
     return values[:layout.size].copy(), threshold
 
 
-def pack_codes(codes_u8):
-    """2-bit code bytes (uint8, little-endian words) -> float32 24-bit integers."""
-    pad = (-len(codes_u8)) % 3
+def pack_bytes(data):
+    """Payload bytes (uint8) -> float32 24-bit integers (little-endian, 3 bytes each)."""
+    pad = (-len(data)) % BYTES_PER_VALUE
     if pad:
-        codes_u8 = np.concatenate([codes_u8, np.zeros(pad, np.uint8)])
-    b = codes_u8.reshape(-1, 3).astype(np.uint32)
+        data = np.concatenate([data, np.zeros(pad, np.uint8)])
+    b = data.reshape(-1, 3).astype(np.uint32)
     return (b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)).astype(np.float32)
 
 
-def unpack_codes(values, n_words):
-    """Inverse of pack_codes: float32 24-bit integers -> int32 code words (n_words,)."""
+def unpack_bytes(values, n_bytes):
+    """Inverse of pack_bytes: float32 24-bit integers -> the first n_bytes (uint8)."""
     v = values.astype(np.uint32)
     b = np.empty((len(v), 3), np.uint8)
     b[:, 0], b[:, 1], b[:, 2] = v & 0xFF, (v >> 8) & 0xFF, (v >> 16) & 0xFF
-    return b.reshape(-1)[:4 * n_words].view(np.int32)
+    return b.reshape(-1)[:n_bytes]

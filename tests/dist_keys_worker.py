@@ -12,6 +12,8 @@
         the sums must be exact
     python tests/dist_keys_worker.py stall OUT      exchanges until the job is stopped,
         writing the last completed step to OUT after each (the test stops a server)
+    python tests/dist_keys_worker.py fp16 OUT       a layer in 3 chunks with the fp16 codec
+        (policy), 3 steps of seeded gradients; writes OUT.npz too
 OUT may contain {rank}; the worker writes its results there as JSON.
 """
 import json
@@ -139,6 +141,30 @@ def stall():
             f.write(str(step))
         time.sleep(0.05)
 
+
+def fp16():
+    """The fp16 codec (its own file, one registry entry) over the parameter server."""
+    kv = mxhylo.create("dist_sync_hylo", policy={"fc": "fp16"}, chunk_elements=32768,
+                       split_elements=1 << 30, warmup_steps=0)
+    shape = (96, 1000)
+    kv.broadcast("fc", mx.nd.zeros(shape), out=mx.nd.zeros(shape))
+    rng = np.random.RandomState(300 + kv.rank)
+    arrays = {}
+    for step in range(3):
+        g = mx.nd.array(rng.normal(0, 1, shape).astype(np.float32) * 1e-2)
+        kv.pushpull("fc", g)
+        arrays["fc/%d" % step] = g.asnumpy()
+    np.savez(out.format(rank=kv.rank) + ".npz", **arrays)
+    stats = kv.stats()
+    json.dump({"policy": stats["layers"]["fc"]["policy"],
+               "chunks": len(kv.transport.keys.chunks["fc"]),
+               "bytes_pushed": stats["bytes_pushed"], "dense_bytes": stats["dense_bytes"]},
+              open(out.format(rank=kv.rank), "w"))
+
+
+if mode == "fp16":
+    fp16()
+    sys.exit(0)
 
 if mode == "stall":
     stall()

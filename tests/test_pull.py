@@ -125,7 +125,7 @@ def test_pull_layout_rows_fallback_and_state_rows():
             if codec == "conv_topk":
                 filters = c.hi - c.lo
                 assert c.pull_k == min(filters, max(1, int(round(rate * filters))))
-            if c.kind == "2bit":                        # every worker's slot still fits
+            if c.kind == "slots":                        # every worker's slot still fits
                 assert c.rows >= workers * c.slot_rows
     assert seen["compressed"] > 100 and seen["dense"] > 20, seen
 

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from mxhylo import ops
-from mxhylo.kvstore.wire import (ROW_ID_BYTES, empty_push, plan_chunks, push_2bit,
+from mxhylo.kvstore.codec import Payload
+from mxhylo.kvstore.compressors import make_compressors
+from mxhylo.kvstore.wire import (ROW_ID_BYTES, empty_push, plan_chunks, push_slot,
                                  push_topk, read_state, slot_payload, state_values)
 
 
@@ -27,15 +29,17 @@ def test_2bit_slots_round_trip_through_the_servers_sum(seed):
     shape = (int(rng.randint(1, 200)), int(rng.randint(1, 400)))
     n = shape[0] * shape[1]
     chunks = plan_chunks("fc_2bit", shape, workers, 2, int(rng.choice([16, 1024, 4096])))
+    codec = make_compressors()["fc_2bit"]
     words = -(-n // 16)
     codes = [rng.randint(0, 2 ** 32, size=words, dtype=np.uint64).astype(np.uint32)
              .view(np.int32) for _ in range(workers)]
     thresholds = [float(np.float32(rng.uniform(1e-6, 5))) for _ in range(workers)]
     for c in chunks:
+        assert c.kind == "slots" and c.codec == "fc_2bit"
         pushes = []
         for w in range(workers):
-            value, nbytes = push_2bit(c, w, codes[w].view(np.uint8)[c.lo // 4:4 * -(-c.hi // 16)],
-                                      thresholds[w])
+            a, b = codec.byte_span(c.lo, c.hi)
+            value, nbytes = push_slot(c, w, codes[w].view(np.uint8)[a:b], (thresholds[w],))
             assert nbytes == c.slot_rows * (4 * c.cols + ROW_ID_BYTES)
             pushes.append(value)
         summed = _server_sum(pushes)
@@ -53,6 +57,34 @@ def test_2bit_slots_round_trip_through_the_servers_sum(seed):
             ops.dequantize_2bit(mx.nd.array(codes[w], dtype=np.int32), thresholds[w], (n,),
                                 out=full)
             np.testing.assert_array_equal(out.asnumpy(), full.asnumpy()[c.lo:c.hi])
+
+
+def test_fp16_slots_round_trip_every_bit_pattern():
+    """A codec of its own file (kvstore.codec_fp16) travels in slots too: every float16
+    bit pattern (NaNs, infinities, denormals, -0) comes out of the servers' sum as the
+    worker pushed it, piece by piece of a layer cut into chunks."""
+    codec = make_compressors()["fp16"]
+    patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    workers, n = 3, patterns.size + 5
+    chunks = plan_chunks("fp16", (n,), workers, 2, 4096)
+    assert len(chunks) > 2 and all(c.kind == "slots" and c.codec == "fp16" for c in chunks)
+    rng = np.random.RandomState(0)
+    halves = [np.concatenate([rng.permutation(patterns), patterns[:5]]) for _ in range(workers)]
+    payloads = [make_payload(codec, h) for h in halves]
+    for c in chunks:
+        a, b = codec.byte_span(c.lo, c.hi)
+        summed = _server_sum([push_slot(c, w, codec.to_bytes(p)[a:b], p.scalars)[0]
+                              for w, p in enumerate(payloads)])
+        rows, data = summed.indices.asnumpy(), summed.data.asnumpy()
+        for w in range(workers):
+            mine = (rows >= w * c.slot_rows) & (rows < (w + 1) * c.slot_rows)
+            got = slot_payload(c, data[mine].reshape(-1)).arrays[0].asnumpy()
+            np.testing.assert_array_equal(got.view(np.uint16),
+                                          halves[w][c.lo:c.hi].view(np.uint16))
+
+
+def make_payload(codec, half):
+    return Payload(codec.name, half.shape, (mx.nd.array(half, dtype=np.float16),))
 
 
 def test_topk_pushes_sum_to_the_scatter_add():
