@@ -50,6 +50,8 @@ import time
 
 import numpy as np
 
+from .comm import parse_hylo_options
+
 MODES = ("dense", "2bit", "hylo", "hylo_densepull", "hylo_layer", "hylo_pull2bit",
          "hylo_nomc")
 DEFAULT_MODES = ("dense", "hylo", "hylo_densepull", "hylo_pull2bit")
@@ -116,12 +118,9 @@ def _config(args):
            "eval_every": args.eval_every, "workers": args.workers, "servers": args.servers,
            "batch_size": args.batch_size, "threshold": args.threshold}
     try:
-        cfg["hylo_options"] = json.loads(args.hylo_options)
+        cfg["hylo_options"] = parse_hylo_options(args.hylo_options)
     except ValueError as err:
-        raise SystemExit("accuracy: --hylo-options is not JSON: %s" % err)
-    if not isinstance(cfg["hylo_options"], dict):
-        raise SystemExit("accuracy: --hylo-options must be a JSON object, got %r"
-                         % args.hylo_options)
+        raise SystemExit("accuracy: %s" % err)
     bad = sorted(set(cfg["modes"]) - set(MODES))
     if bad or not cfg["modes"]:
         raise SystemExit("accuracy: --modes must be a subset of %s, got %r"

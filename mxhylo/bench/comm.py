@@ -107,6 +107,18 @@ def parse_list(text, allowed=None, what="item"):
     return items
 
 
+def parse_hylo_options(text):
+    """--hylo-options: a JSON object of mxhylo.create options; ValueError if not."""
+    try:
+        options = json.loads(text)
+    except ValueError as err:
+        raise ValueError("--hylo-options is not JSON: %s" % err)
+    if not isinstance(options, dict):
+        raise ValueError("--hylo-options must be a JSON object, e.g. '{\"warmup_steps\": "
+                         "0}', got %r" % (text,))
+    return options
+
+
 def role_names(num_workers, num_servers):
     """Roles in address order: scheduler, server0.., worker0.."""
     return (["scheduler"] + ["server%d" % i for i in range(num_servers)]

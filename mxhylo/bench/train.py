@@ -54,7 +54,7 @@ import time
 
 from . import netns
 from .comm import (ShapedRun, _Interrupted, clean_env, hylo_available, hylo_summary,
-                   machine_info, model_summary, parse_list, role_names,
+                   machine_info, model_summary, parse_hylo_options, parse_list, role_names,
                    shapes_in_subprocess, wire_summary)
 from .train_worker import MODES
 from .. import launch, procs
@@ -170,13 +170,7 @@ def check_args(args):
     out["modes"] = parse_list(args.modes, tuple(MODES), what="mode")
     if len(set(out["modes"])) != len(out["modes"]):
         raise ValueError("--modes lists a mode twice: %s" % args.modes)
-    try:
-        out["hylo_options"] = json.loads(args.hylo_options)
-    except ValueError as err:
-        raise ValueError("--hylo-options is not JSON: %s" % err)
-    if not isinstance(out["hylo_options"], dict):
-        raise ValueError("--hylo-options must be a JSON object, e.g. '{\"size_threshold\": "
-                         "8192}'")
+    out["hylo_options"] = parse_hylo_options(args.hylo_options)
     if args.worker_threads < 0:
         raise ValueError("--worker-threads must be >= 0")
     if args.tta:
