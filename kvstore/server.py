@@ -159,7 +159,7 @@ def pull_shape(layout):
 
 def _decode(key, name, layout, received):
     """The dense float32 aggregate of a compressed chunk, of the key's shape."""
-    if layout.kind == "topk":
+    if layout.kind == "rows":
         # The server's sum of the workers' row_sparse pushes is the scatter-add.
         return received.tostype("default")
     rows = received.indices.asnumpy()

@@ -23,7 +23,7 @@ from .ps_keys import Chunk, KeyTable, bucket_signature
 from .transport import Traffic, Transport
 from .watchdog import StallWatchdog
 from .wire import (DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, ROW_ID_BYTES, ChunkLayout,
-                   empty_push, gather_payloads, pull_payload, push_slot, push_topk)
+                   empty_push, gather_payloads, pull_payload, push_slot, push_rows)
 
 DEFAULT_BUCKET_BYTES = 2 << 20     # = DEFAULT_CHUNK_ELEMENTS float32 values
 
@@ -215,7 +215,7 @@ class PSTransport(Transport):
         elif chunk.pull == "gather":
             # decoded in rank order, as the server decodes a dense pull: bitwise equal
             target = piece.reshape((chunk.rows_filters, chunk.cols)) \
-                if chunk.kind == "topk" else piece
+                if chunk.kind == "rows" else piece
             target[:] = 0
             for payload in gather_payloads(chunk, rows.asnumpy()):
                 self._codecs[payload.strategy].decode(payload, target, accumulate=True)
@@ -270,10 +270,10 @@ class PSTransport(Transport):
         if codec.wire == "rows":
             indices, values = payload.arrays
             pushes = []
-            for c, (a, b) in zip(chunks, self._topk_spans(chunks, indices)):
+            for c, (a, b) in zip(chunks, self._row_spans(chunks, indices)):
                 # no numpy round trip: rows taken from the payload's NDArrays
                 pushes.append(empty_push(c.layout) if a == b else
-                              push_topk(c.layout, indices[a:b], values[a:b]))
+                              push_rows(c.layout, indices[a:b], values[a:b]))
             return pushes
         data = codec.to_bytes(payload)
         pushes = []
@@ -283,7 +283,7 @@ class PSTransport(Transport):
         return pushes
 
     @staticmethod
-    def _topk_spans(chunks, indices):
+    def _row_spans(chunks, indices):
         """Per Chunk, the span [a, b) of the payload's (ascending) filter indices that
         fall in it. A layer in one chunk needs no look at the indices; a split layer
         reads only the k indices (not the values) to the host."""

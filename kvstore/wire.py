@@ -5,7 +5,7 @@ payloads are laid out so that this sum does exactly what Hylo's server must do:
 
 * ``dense`` chunks (uncompressed layers): a plain dense key; the server's sum is the
   aggregate.
-* ``topk`` chunks (conv_topk): a row_sparse key of shape (filters, F); a worker
+* ``rows`` chunks (conv_topk: a codec whose ``wire`` is 'rows'): a row_sparse key of shape (filters, F); a worker
   pushes only the rows of the filters it selected, so the bytes on the wire are the
   compressed size, and the server's sum of row_sparse pushes is the scatter-add
   decode of all workers' payloads.
@@ -28,7 +28,7 @@ drop them, and its pull reads rows by position); a worker pulls rows [0, pull_ro
 * ``pull='gather'`` (exact, no server state): the workers' payloads as the server's
   sum gathered them. A ``slots`` chunk: every worker's slot unchanged (rows [0,
   W * slot_rows)), which each worker decodes in rank order, exactly as the server
-  would; a ``topk`` chunk: a header row block with the count u of filters any worker
+  would; a ``rows`` chunk: a header row block with the count u of filters any worker
   sent, then their u indices, then those u summed filters (pull_k = min(filters,
   W * k) rows are pulled; rows past u are zeros). The decoded aggregate is bitwise
   the dense pull's.
@@ -73,9 +73,9 @@ ROW_ID_BYTES = 8              # row_sparse pushes and pulls carry int64 row ids
 class ChunkLayout:
     """One parameter-server key carrying a piece of one layer.
 
-    kind: 'dense' | 'topk' | 'slots' ('probe': the start-up check that a server
-    decodes); lo, hi: the piece, in elements of the flat layer
-    for dense and slots, in filters for topk; size: elements of the piece; cols: row
+    kind: the codec's wire form, 'dense' | 'rows' | 'slots' (kvstore.codec; 'probe':
+    the start-up check that a server decodes); lo, hi: the piece, in elements of the
+    flat layer for dense and slots, in filters for rows; size: elements of the piece; cols: row
     width; rows: rows of the key; slot_rows: rows per worker's slot
     (slots); slots: workers' slots (slots); codec: the codec of a slots chunk;
     dense_rows: rows of the dense aggregate; server: index of the server;
@@ -99,7 +99,7 @@ class ChunkLayout:
     @property
     def offset(self):
         """First element of the piece in the flat layer."""
-        return self.lo * self.cols if self.kind == "topk" else self.lo
+        return self.lo * self.cols if self.kind == "rows" else self.lo
 
     @property
     def key_shape(self):
@@ -107,7 +107,7 @@ class ChunkLayout:
 
     @property
     def rows_filters(self):
-        """Filters in a topk chunk (its key may have spare rows for the server's state)."""
+        """Filters in a rows chunk (its key may have spare rows for the server's state)."""
         return self.hi - self.lo
 
     @property
@@ -174,14 +174,14 @@ def plan_chunks(strategy, shape, num_workers, num_servers=1,
     if pull not in PULL_CODECS:
         raise ValueError("pull codec must be one of %s, got %r" % (PULL_CODECS, pull))
     n = int(np.prod(shape)) if shape else 1
-    if strategy == "conv_topk":
+    if _CODECS[strategy].wire == "rows":
         per_filter = n // shape[0]
         # the larger direction on the wire: pushes carry about ``rate`` of the filters
         # (up to the maximum rate, 0.1); pulls the same, 1/16 (2-bit) or everything
         pull_fraction = {"dense": 1.0, "fc_2bit": 1.0 / 16, "conv_topk": pull_rate or 1.0,
                          "gather": min(1.0, num_workers * (pull_rate or 0.1))}[pull]
         wire_fraction = max(pull_fraction, pull_rate or 0.1)
-        layouts = [ChunkLayout("topk", lo // per_filter, hi // per_filter, hi - lo,
+        layouts = [ChunkLayout("rows", lo // per_filter, hi // per_filter, hi - lo,
                                cols=per_filter, rows=(hi - lo) // per_filter,
                                dense_rows=(hi - lo) // per_filter)
                    for lo, hi in _pieces(n, max(chunk_elements, per_filter), num_servers,
@@ -211,10 +211,10 @@ def _with_pull(chunk, pull, pull_rate, gather_k=0):
     filters = chunk.hi - chunk.lo
     pull_k = 0
     if pull == "conv_topk":
-        if chunk.kind != "topk":
+        if chunk.kind != "rows":
             raise ValueError("a conv_topk pull needs a conv_topk layer, got %s" % chunk.kind)
         pull_k = min(filters, max(1, int(round(pull_rate * filters))))
-    if pull == "gather" and chunk.kind == "topk":
+    if pull == "gather" and chunk.kind == "rows":
         # every worker sends at most push_k filters, all of which may fall in one chunk
         pull_k = min(filters, max(1, gather_k))
     compressed = dataclasses.replace(chunk, pull=pull, pull_k=pull_k)
@@ -271,8 +271,8 @@ def slot_payload(layout, slot):
     return codec.piece_payload(data, slot[:n], layout.size)
 
 
-def push_topk(layout, indices, values):
-    """A worker's push of a 'topk' chunk: ``indices`` (int32 NDArray, ascending, the
+def push_rows(layout, indices, values):
+    """A worker's push of a 'rows' chunk: ``indices`` (int32 NDArray, ascending, the
     chunk's filters in layer numbering) and their rows ``values`` (float32 NDArray,
     (len, ...)) -> rows of the key; the servers' sum is the scatter-add decode."""
     if not indices.shape[0]:

@@ -9,7 +9,7 @@ from mxhylo import ops
 from mxhylo.kvstore.codec import Payload
 from mxhylo.kvstore.compressors import make_compressors
 from mxhylo.kvstore.wire import (ROW_ID_BYTES, empty_push, plan_chunks, push_slot,
-                                 push_topk, read_state, slot_payload, state_values)
+                                 push_rows, read_state, slot_payload, state_values)
 
 
 def _server_sum(pushes):
@@ -87,7 +87,7 @@ def make_payload(codec, half):
     return Payload(codec.name, half.shape, (mx.nd.array(half, dtype=np.float16),))
 
 
-def test_topk_pushes_sum_to_the_scatter_add():
+def test_rows_pushes_sum_to_the_scatter_add():
     """Workers' top-k rows (some chunks without any, which push an empty row) sum to the
     dense scatter-add of every worker's filters, chunk by chunk."""
     rng = np.random.RandomState(3)
@@ -109,7 +109,7 @@ def test_topk_pushes_sum_to_the_scatter_add():
                 value, nbytes = empty_push(c)
                 assert nbytes == 4 * c.cols + ROW_ID_BYTES
             else:
-                value, nbytes = push_topk(c, mx.nd.array(idx[a:b], dtype=np.int32),
+                value, nbytes = push_rows(c, mx.nd.array(idx[a:b], dtype=np.int32),
                                           mx.nd.array(vals[a:b]))
                 assert nbytes == (b - a) * (4 * c.cols + ROW_ID_BYTES)
             pushes.append(value)
