@@ -177,14 +177,15 @@ def compress_pull_mode(value, distributed=True):
 
 
 def pull_codec(strategy, mode):
-    """Codec of a layer's pull: 'dense', 'gather', 'fc_2bit' or 'conv_topk'. Layers
-    pushed uncompressed ('none') are pulled dense: they are small, latency not
-    bandwidth."""
+    """Codec of a layer's pull, named as the codecs are: 'none' (the dense float32
+    aggregate), 'fc_2bit' or 'conv_topk' (re-compressed by the servers), or 'gather'
+    (the workers' own payloads). Layers pushed uncompressed ('none') are pulled dense:
+    they are small, latency not bandwidth."""
     if mode is None or strategy == "none":
-        return "dense"
+        return "none"
     if mode == "gather":
         return "gather"
     if mode == "2bit":
         return "fc_2bit"
     # 'layer': the layer's own family where the servers have a pull encoder for it
-    return strategy if strategy in ("fc_2bit", "conv_topk") else "dense"
+    return strategy if strategy in ("fc_2bit", "conv_topk") else "none"

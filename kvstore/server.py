@@ -126,7 +126,7 @@ class ServerState:
                 stored[:] = rows_from_zero(layout, gather_values(layout, received))
                 return
             dense = _decode(key, name, layout, received)
-            if layout.pull == "dense":
+            if layout.pull == "none":
                 stored[:] = rows_from_zero(layout, dense)
                 return
             aggregate = dense.reshape((-1,))[:layout.size].reshape(pull_shape(layout))

@@ -46,10 +46,10 @@ class LocalTransport(Transport):
             codec = pull_codec(layer.plan.strategy, self.compress_pull)
             pulled = 4 * layer.plan.size
             if payload.strategy == "none":
-                codec = "dense"
+                codec = "none"
             if codec == "gather":     # one worker: its own payload, exactly as decoded
                 pulled = payload.nbytes
-            elif codec != "dense":
+            elif codec != "none":
                 back = self.server.encode(layer.plan.name, codec, out, k=layer.plan.k)
                 self.server.compressors[codec].decode(back, out)
                 pulled = back.nbytes

@@ -210,7 +210,7 @@ class PSTransport(Transport):
         self.watchdog.waiting("layer %r (key %d, server %d)" % (p.name, pskey, chunk.server))
         rows = p.buf.data.reshape((-1,))                  # (pull_rows * cols,) row-major
         piece = p.flat[chunk.offset:chunk.offset + chunk.size]
-        if chunk.pull == "dense":
+        if chunk.pull == "none":
             piece[:] = rows[:chunk.size]
         elif chunk.pull == "gather":
             # decoded in rank order, as the server decodes a dense pull: bitwise equal

@@ -24,7 +24,7 @@ The server stores what the workers pull as a row_sparse array whose rows are lis
 explicitly from row 0 (zero rows included: MXNet's dense-to-row_sparse conversion would
 drop them, and its pull reads rows by position); a worker pulls rows [0, pull_rows):
 
-* ``pull='dense'``: the chunk's dense float32 aggregate, row-major (dense_rows rows);
+* ``pull='none'``: the chunk's dense float32 aggregate, row-major (dense_rows rows);
 * ``pull='gather'`` (exact, no server state): the workers' payloads as the server's
   sum gathered them. A ``slots`` chunk: every worker's slot unchanged (rows [0,
   W * slot_rows)), which each worker decodes in rank order, exactly as the server
@@ -53,7 +53,7 @@ import numpy as np
 
 from .compressors import Payload, make_compressors
 
-PULL_CODECS = ("dense", "gather", "fc_2bit", "conv_topk")
+PULL_CODECS = ("none", "gather", "fc_2bit", "conv_topk")   # codec names, and gather
 
 # Largest chunk, in gradient elements. MXNet splits keys of 1e6 elements or more over
 # all servers by row ranges, which would cut workers' slots apart; hylo cuts large
@@ -91,7 +91,7 @@ class ChunkLayout:
     slot_rows: int = 0
     dense_rows: int = 0
     server: int = 0
-    pull: str = "dense"
+    pull: str = "none"
     pull_k: int = 0
     slots: int = 0
     codec: str = ""
@@ -162,10 +162,10 @@ def _pieces(n, chunk_elements, num_servers, split_min, unit, wire_fraction=1.0):
 
 def plan_chunks(strategy, shape, num_workers, num_servers=1,
                 chunk_elements=DEFAULT_CHUNK_ELEMENTS, split_min=DEFAULT_SPLIT_MIN,
-                pull="dense", pull_rate=None, push_k=None):
+                pull="none", pull_rate=None, push_k=None):
     """Split a layer into ChunkLayouts (server not yet assigned).
 
-    pull: codec of the way back (PULL_CODECS; 'dense' for strategy 'none');
+    pull: codec of the way back (PULL_CODECS; 'none': the dense float32 aggregate);
     pull_rate: fraction of a chunk's filters pulled with pull='conv_topk';
     push_k: filters each worker pushes per step (conv_topk), which bounds a 'gather'
     pull to num_workers * push_k filters. A chunk whose compressed pull would not be
@@ -178,7 +178,7 @@ def plan_chunks(strategy, shape, num_workers, num_servers=1,
         per_filter = n // shape[0]
         # the larger direction on the wire: pushes carry about ``rate`` of the filters
         # (up to the maximum rate, 0.1); pulls the same, 1/16 (2-bit) or everything
-        pull_fraction = {"dense": 1.0, "fc_2bit": 1.0 / 16, "conv_topk": pull_rate or 1.0,
+        pull_fraction = {"none": 1.0, "fc_2bit": 1.0 / 16, "conv_topk": pull_rate or 1.0,
                          "gather": min(1.0, num_workers * (pull_rate or 0.1))}[pull]
         wire_fraction = max(pull_fraction, pull_rate or 0.1)
         layouts = [ChunkLayout("rows", lo // per_filter, hi // per_filter, hi - lo,
@@ -206,7 +206,7 @@ def plan_chunks(strategy, shape, num_workers, num_servers=1,
 
 
 def _with_pull(chunk, pull, pull_rate, gather_k=0):
-    if pull == "dense":
+    if pull == "none":
         return chunk
     filters = chunk.hi - chunk.lo
     pull_k = 0

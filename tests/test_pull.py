@@ -85,7 +85,7 @@ def _expected_pull(strategy, pull, rate, c):
         k = min(filters, max(1, int(round(rate * filters))))
         rows = ceil_div(k, c.cols) + k                          # index rows, filter rows
     dense_rows = ceil_div(c.size, c.cols)
-    return (pull, rows) if rows < dense_rows else ("dense", dense_rows)
+    return (pull, rows) if rows < dense_rows else ("none", dense_rows)
 
 
 def _bits(a):
@@ -112,7 +112,7 @@ def test_pull_layout_rows_fallback_and_state_rows():
             codec, rows = _expected_pull(strategy, pull, rate, c)
             assert c.pull == codec, (shape, c)
             assert c.pull_rows == rows, (shape, c)
-            if codec == "dense":
+            if codec == "none":
                 seen["dense"] += 1
                 assert c.pull_rows == c.dense_rows and c.pull_k == 0
                 continue
@@ -135,7 +135,7 @@ def test_pull_values_payload_round_trip_is_bit_exact():
     done = {"fc_2bit": 0, "conv_topk": 0}
     for strategy, pull, rate, shape, chunks, _ in _random_layouts(rng, 120):
         for c in chunks:
-            if c.pull == "dense":
+            if c.pull == "none":
                 with pytest.raises(ValueError, match="dense"):
                     pull_values(c, Payload("fc_2bit", (c.size,), ()))
                 continue
@@ -205,16 +205,16 @@ def test_plan_chunks_pull_errors_and_unchanged_layout():
     with pytest.raises(ValueError, match="conv_topk"):
         plan_chunks("fc_2bit", (64, 64), 2, pull="conv_topk", pull_rate=0.1)
     # uncompressed layers and dense pulls keep the published layout
-    assert all(c.pull == "dense" for c in plan_chunks("none", (5000,), 2, pull="fc_2bit"))
+    assert all(c.pull == "none" for c in plan_chunks("none", (5000,), 2, pull="fc_2bit"))
     for strategy, pull, rate in [("fc_2bit", "fc_2bit", None), ("conv_topk", "conv_topk", 0.1),
                                  ("conv_topk", "fc_2bit", 0.1)]:
         shape = (300, 300) if strategy == "fc_2bit" else (200, 64, 3, 3)
         dense = plan_chunks(strategy, shape, 2, 2, 20000, 10 ** 9)
         pulled = plan_chunks(strategy, shape, 2, 2, 20000, 10 ** 9, pull=pull, pull_rate=rate)
-        assert all(c.pull == "dense" and c.pull_k == 0 for c in dense)
+        assert all(c.pull == "none" and c.pull_k == 0 for c in dense)
         assert all(c.pull == pull for c in pulled)
         # a compressed pull changes only the pull and, for the server's state, the rows
-        assert [dataclasses.replace(c, pull="dense", pull_k=0, rows=d.rows)
+        assert [dataclasses.replace(c, pull="none", pull_k=0, rows=d.rows)
                 for c, d in zip(pulled, dense)] == dense
         assert all(c.rows >= d.rows for c, d in zip(pulled, dense))
 
@@ -240,12 +240,13 @@ def test_compress_pull_mode_rejects_bad_values(bad):
 
 
 def test_pull_codec_table():
-    table = {("none", None): "dense", ("conv_topk", None): "dense", ("fc_2bit", None): "dense",
-             ("none", "layer"): "dense", ("conv_topk", "layer"): "conv_topk",
-             ("fc_2bit", "layer"): "fc_2bit", ("none", "2bit"): "dense",
+    table = {("none", None): "none", ("conv_topk", None): "none", ("fc_2bit", None): "none",
+             ("none", "layer"): "none", ("conv_topk", "layer"): "conv_topk",
+             ("fc_2bit", "layer"): "fc_2bit", ("none", "2bit"): "none",
              ("conv_topk", "2bit"): "fc_2bit", ("fc_2bit", "2bit"): "fc_2bit",
-             ("none", "gather"): "dense", ("conv_topk", "gather"): "gather",
-             ("fc_2bit", "gather"): "gather"}
+             ("none", "gather"): "none", ("conv_topk", "gather"): "gather",
+             ("fc_2bit", "gather"): "gather", ("fp16", "layer"): "none",
+             ("fp16", "2bit"): "fc_2bit", ("fp16", "gather"): "gather"}
     for (strategy, mode), codec in table.items():
         assert pull_codec(strategy, mode) == codec, (strategy, mode)
 
@@ -780,7 +781,7 @@ def test_distributed_compressed_pull(tmp_path, mode):
         plan = policy.plan(name, DIST_SHAPES[name])
         chunks = plan_chunks(plan.strategy, plan.shape, 2, 2, 4096, 8192,
                              pull=pull_codec(plan.strategy, mode), pull_rate=plan.rate)
-        assert all(c.pull != "dense" for c in chunks), (name, chunks)
+        assert all(c.pull != "none" for c in chunks), (name, chunks)
         flat = a["last/" + name].reshape(-1)
         for c in chunks:
             piece = flat[c.offset:c.offset + c.size]
