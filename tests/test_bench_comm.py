@@ -78,24 +78,6 @@ def test_topology_names_carry_pid_and_stay_inside_namespaces():
     assert (topo.ns("server0"), "eth0") in shaped and (topo.hub, topo.hub_port("server0")) in shaped
 
 
-def test_role_env_and_commands():
-    env = dict(comm.role_env("server1", "10.0.0.1", 9100, 4, 2, "10.0.0.3"))
-    assert env == {"DMLC_ROLE": "server", "DMLC_PS_ROOT_URI": "10.0.0.1",
-                   "DMLC_PS_ROOT_PORT": "9100", "DMLC_NUM_SERVER": "2",
-                   "DMLC_NUM_WORKER": "4", "DMLC_NODE_HOST": "10.0.0.3", "PS_VERBOSE": "0",
-                   "OMP_NUM_THREADS": "1"}       # servers, in every mode: as mxhylo.launch
-    assert dict(comm.role_env("scheduler", "a", 1, 1, 1, "a"))["DMLC_ROLE"] == "scheduler"
-    worker = dict(comm.role_env("worker12", "a", 1, 1, 1, "b"))
-    assert worker["DMLC_ROLE"] == "worker" and "OMP_NUM_THREADS" not in worker
-    cmd = comm.role_command(["ip", "netns", "exec", "nsX"], [("A", "1"), ("B", "x y")],
-                            comm.server_program("py"))
-    assert cmd == ["ip", "netns", "exec", "nsX", "env", "A=1", "B=x y", "py", "-c",
-                   "import mxnet"]
-    assert comm.worker_program("c.json", 3, "o.json", "py") == [
-        "py", "-m", "mxhylo.bench.comm_worker", "--config", "c.json", "--index", "3",
-        "--out", "o.json"]
-
-
 def test_parse_list():
     assert comm.parse_list("a, b,,c") == ["a", "b", "c"]
     with pytest.raises(ValueError):

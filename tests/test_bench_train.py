@@ -2,7 +2,6 @@
 time-to-accuracy maths, job commands, counter marks, tables and plots; as root, one
 short real run of a tiny model (2 workers, 1 server) and a SIGTERM mid-run."""
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -11,7 +10,7 @@ import time
 
 import pytest
 
-from mxhylo.bench import comm, netns, train, train_worker
+from mxhylo.bench import comm, jobs, netns, train, train_worker
 
 
 def _args(argv=()):
@@ -264,8 +263,8 @@ def test_cpu_features_like_grep():
 
 def test_job_children_commands_and_environment(tmp_path):
     topo = netns.Topology(["scheduler", "server0", "worker0", "worker1"], 1e9, tag="t")
-    children = train.job_children(topo, 2, 1, 9123, "/c.json", str(tmp_path),
-                                  worker_threads=1, python="/py")
+    children = jobs.job_children(topo, 2, 1, 9123, "/c.json", str(tmp_path),
+                                 "mxhylo.bench.train_worker", worker_threads=1, python="/py")
     names = [c.name for c in children]
     assert names == ["scheduler", "server 0", "worker 0", "worker 1"]
     roles = [c.role for c in children]
@@ -285,8 +284,10 @@ def test_job_children_commands_and_environment(tmp_path):
     assert w0.env["OMP_NUM_THREADS"] == "1"
     # DMLC_* of the harness's own environment never leak into a child
     assert "DMLC_TASK_ID" not in w0.env
-    free = train.job_children(topo, 2, 1, 9123, "/c.json", str(tmp_path), worker_threads=0)
+    free = jobs.job_children(topo, 2, 1, 9123, "/c.json", str(tmp_path),
+                             "mxhylo.bench.comm_worker", worker_threads=0)
     assert free[2].env.get("OMP_NUM_THREADS") == os.environ.get("OMP_NUM_THREADS")
+    assert free[3].argv[4:7] == [sys.executable, "-m", "mxhylo.bench.comm_worker"]
 
 
 def test_counter_marks_are_answered(tmp_path):
@@ -296,7 +297,7 @@ def test_counter_marks_are_answered(tmp_path):
         def all_counters(self):
             FakeTopo.calls += 1
             return {"worker0": (FakeTopo.calls, 2)}
-    job = train.NetnsJob([], FakeTopo(), str(tmp_path))
+    job = jobs.NetnsJob([], FakeTopo(), str(tmp_path))
     (tmp_path / "mark-start").write_text("1\n")
     (tmp_path / "mark-end.tmp").write_text("1\n")        # not yet renamed: ignored
     job._serve_marks()

@@ -38,7 +38,7 @@ import tempfile
 import time
 
 from . import netns
-from ..launch import SERVER_DEFAULTS
+from .jobs import JobError, _Interrupted, clean_env, run_job
 
 ALL_MODES = ("dense_pushpull", "dense_push_pull", "mxnet_2bit", "hylo", "hylo_gather",
              "hylo_pull", "hylo_pull2bit")
@@ -47,6 +47,7 @@ DEFAULT_MODELS = ("resnet50_v1b", "vgg16", "alexnet")
 BASELINE = "dense_pushpull"
 FLOAT_BYTES = 4
 PS_PORT = 9091
+WORKER = "mxhylo.bench.comm_worker"
 # ps-lite chatter in the counter window is tiny; codec CPU is the other bound on time:
 # per-job timeout = 120 s + (steps + warmup + 2) * (6 * floor + W * dense / 50 MB/s)
 _CPU_BYTES_PER_S = 50e6
@@ -125,35 +126,6 @@ def role_names(num_workers, num_servers):
             + ["worker%d" % i for i in range(num_workers)])
 
 
-def role_env(role, scheduler_addr, port, num_workers, num_servers, own_addr):
-    """The DMLC_* variables of one process (ordered as they appear on its command line),
-    and for servers, in every mode, mxhylo.launch's server defaults (one OpenMP thread)."""
-    kind = "scheduler" if role == "scheduler" else role.rstrip("0123456789")
-    env = [("DMLC_ROLE", kind), ("DMLC_PS_ROOT_URI", scheduler_addr),
-           ("DMLC_PS_ROOT_PORT", str(port)), ("DMLC_NUM_SERVER", str(num_servers)),
-           ("DMLC_NUM_WORKER", str(num_workers)), ("DMLC_NODE_HOST", own_addr),
-           ("PS_VERBOSE", "0")]
-    if kind == "server":
-        env += sorted(SERVER_DEFAULTS.items())
-    return env
-
-
-def role_command(exec_prefix, env, program):
-    """``ip netns exec NS env K=V ... PROGRAM...``."""
-    return list(exec_prefix) + ["env"] + ["%s=%s" % kv for kv in env] + list(program)
-
-
-def server_program(python=None):
-    """Scheduler/server: ps-lite's loop runs inside ``import mxnet`` when DMLC_ROLE is
-    scheduler or server (hylo's servers import mxhylo when they unpickle its decoder)."""
-    return [python or sys.executable, "-c", "import mxnet"]
-
-
-def worker_program(config, index, out, python=None):
-    return [python or sys.executable, "-m", "mxhylo.bench.comm_worker", "--config", config,
-            "--index", str(index), "--out", out]
-
-
 def block_shapes(net, image_size=224, channels=3):
     """[{'key', 'name', 'shape'}] of the parameters a Trainer would exchange (grad_req
     not 'null'), keyed by their index in collect_params() as gluon.Trainer keys them."""
@@ -176,13 +148,6 @@ def model_shapes(name, image_size=224):
         import gluoncv
         net = gluoncv.model_zoo.get_model(name, pretrained=False)
         return block_shapes(net, image_size)
-
-
-def clean_env():
-    """This process's environment without DMLC_*/PS_* (an inherited DMLC_ROLE would make
-    a child a parameter-server node; the harness sets each role's own)."""
-    return {k: v for k, v in os.environ.items()
-            if not (k.startswith("DMLC_") or k.startswith("PS_"))}
 
 
 def shapes_in_subprocess(models, image_size, timeout=600):
@@ -405,58 +370,6 @@ def hylo_available():
 
 # ----------------------------------------------------------------------------- processes
 
-def _pdeathsig():
-    """preexec: SIGKILL the child if the harness dies (Linux), so nothing is orphaned."""
-    try:
-        import ctypes
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec():
-        prctl(1, int(signal.SIGKILL), 0, 0, 0)      # PR_SET_PDEATHSIG
-        if os.getppid() != parent:
-            os._exit(137)
-    return preexec
-
-
-class Proc:
-    def __init__(self, role, argv, log_path, cwd):
-        self.role, self.argv, self.log_path = role, argv, log_path
-        self.log = open(log_path, "wb")
-        self.popen = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, cwd=cwd, env=clean_env(),
-                                      start_new_session=True, preexec_fn=_pdeathsig())
-        self.pid = self.popen.pid
-
-    def poll(self):
-        return self.popen.poll()
-
-    def kill(self, grace=3.0):
-        """SIGTERM, then SIGKILL, to this child's process group (its own session)."""
-        if self.popen.poll() is None:
-            for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-                try:
-                    os.killpg(self.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    self.popen.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        self.log.close()
-
-    def tail(self, n=2000):
-        try:
-            with open(self.log_path, "rb") as f:
-                data = f.read()
-            return data[-n:].decode("utf-8", "replace")
-        except OSError:
-            return ""
-
-
 class ShapedRun:
     """The namespaces and job folder of one benchmark run, torn down whatever happens.
 
@@ -503,14 +416,6 @@ class ShapedRun:
         return False
 
 
-class JobError(RuntimeError):
-    pass
-
-
-class _Interrupted(BaseException):
-    pass
-
-
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -532,91 +437,6 @@ class _Shielded:
                 raise KeyboardInterrupt
             raise _Interrupted("signal %d" % self.caught[0])
         return False
-
-
-def run_job(topo, job_dir, mode, params, cfg, port, timeout):
-    """One parameter-server job: start everything, serve the counter handshakes, wait.
-    Returns (worker results, counters before, counters after)."""
-    W, S = cfg["num_workers"], cfg["num_servers"]
-    sync_dir = os.path.join(job_dir, "sync")
-    os.makedirs(sync_dir)
-    config = dict(cfg, mode=mode, sync_dir=sync_dir, keys=[p["key"] for p in params],
-                  shapes=[p["shape"] for p in params], barrier_timeout=timeout)
-    config_path = os.path.join(job_dir, "config.json")
-    with open(config_path, "w") as f:
-        json.dump(config, f)
-    sched = topo.addr("scheduler")
-    procs, outs = [], {}
-    deadline = time.monotonic() + timeout
-    counters = {}
-    try:
-        for role in topo.roles:
-            env = role_env(role, sched, port, W, S, topo.addr(role))
-            if role.startswith("worker"):
-                idx = int(role[len("worker"):])
-                outs[role] = os.path.join(job_dir, "%s.json" % role)
-                program = worker_program(config_path, idx, outs[role])
-            else:
-                program = server_program()
-            procs.append(Proc(role, role_command(topo.exec_prefix(role), env, program),
-                              os.path.join(job_dir, role + ".log"), os.getcwd()))
-        workers = [p for p in procs if p.role.startswith("worker")]
-        others = [p for p in procs if not p.role.startswith("worker")]
-        early_since = None
-        while True:
-            for mark in ("start", "end"):
-                path = os.path.join(sync_dir, "mark-" + mark)
-                if mark not in counters and os.path.exists(path):
-                    counters[mark] = topo.all_counters()
-                    open(path + ".ack", "w").close()
-            codes = [p.poll() for p in workers]
-            bad = [(p, c) for p, c in zip(workers, codes) if c not in (None, 0)]
-            if bad:
-                raise JobError("%s exited with code %d" % (bad[0][0].role, bad[0][1]))
-            # A server or scheduler ends once every worker has finalized, which can be
-            # a moment before the workers' processes are gone: only a non-zero code, or
-            # an exit while some worker has not written its result for 30 s, is an error.
-            early = [p for p in others if p.poll() is not None]
-            if early and not all(c == 0 for c in codes):
-                if early[0].poll() != 0:
-                    raise JobError("%s exited with code %d while workers were running"
-                                   % (early[0].role, early[0].poll()))
-                if all(os.path.exists(o) for o in outs.values()):
-                    pass
-                elif early_since is None:
-                    early_since = time.monotonic()
-                elif time.monotonic() - early_since > 30:
-                    raise JobError("%s exited while workers were running"
-                                   % early[0].role)
-            if all(c == 0 for c in codes):
-                break
-            if time.monotonic() > deadline:
-                raise JobError("timed out after %.0f s" % timeout)
-            time.sleep(0.02)
-        # ps-lite servers and scheduler stop once every worker has finalized.
-        end = time.monotonic() + 30
-        while any(p.poll() is None for p in others) and time.monotonic() < end:
-            time.sleep(0.05)
-        results = []
-        for role in sorted(outs):
-            try:
-                with open(outs[role]) as f:
-                    results.append(json.load(f))
-            except (OSError, ValueError) as err:
-                raise JobError("%s's result %s: %s" % (role, outs[role], err))
-        if "start" not in counters or "end" not in counters:
-            raise JobError("the workers never asked for the counter reads")
-        return results, counters["start"], counters["end"]
-    except JobError as err:
-        tails = {p.role: p.tail() for p in procs if p.poll() not in (None, 0)}
-        if not tails:
-            tails = {p.role: p.tail() for p in procs}
-        err.tails = tails
-        raise
-    finally:
-        with _Shielded():
-            for p in reversed(procs):
-                p.kill()
 
 
 # ----------------------------------------------------------------------------- plot
@@ -764,17 +584,20 @@ def run(args):
                 os.makedirs(job_dir)
                 _log("%s / %s (timeout %.0f s)..." % (m, mode, timeout))
                 t0 = time.monotonic()
+                config = dict(cfg, mode=mode, keys=[p["key"] for p in shapes[m]],
+                              shapes=[p["shape"] for p in shapes[m]])
                 try:
-                    results, before, after = run_job(topo, job_dir, mode, shapes[m], cfg,
-                                                     port, timeout)
-                    per_mode[mode] = summarise_job(results, before, after, timed_steps)
+                    results, counters = run_job(topo, job_dir, config, port, timeout, WORKER,
+                                                worker_threads=0, marks=("start", "end"))
+                    per_mode[mode] = summarise_job(results, counters["start"],
+                                                   counters["end"], timed_steps)
                     per_mode[mode]["job_seconds"] = time.monotonic() - t0
                     _log("  %.3f s per exchange (job %.0f s)" % (per_mode[mode]["seconds"],
                                                                  time.monotonic() - t0))
                 except JobError as err:
                     shaped.failed = True
                     per_mode[mode] = {"status": "failed: %s" % err,
-                                      "log_tail": getattr(err, "tails", {})}
+                                      "log_tail": err.log_tail}
                     _log("  FAILED: %s" % err)
                 port += 1
             add_speedups(per_mode, summaries[m]["dense_pull_floor_s"])

@@ -43,9 +43,7 @@ SIGINT/SIGTERM/SIGHUP. Scheduler ports: each job uses its own (9091 upwards) ins
 namespaces that only this run uses, so they are free by construction.
 """
 import datetime
-import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -53,11 +51,14 @@ import tempfile
 import time
 
 from . import netns
-from .comm import (ShapedRun, _Interrupted, clean_env, hylo_available, hylo_summary,
+from .comm import (ShapedRun, hylo_available, hylo_summary,
                    machine_info, model_summary, parse_hylo_options, parse_list, role_names,
                    shapes_in_subprocess, wire_summary)
+from .jobs import JobError, run_job
 from .train_worker import MODES
-from .. import launch, procs
+from .. import launch
+
+WORKER = "mxhylo.bench.train_worker"
 
 DEFAULT_MODES = ("dist_sync", "hylo_densepull", "hylo")
 HYLO_MODES = ("hylo_densepull", "hylo")
@@ -547,129 +548,6 @@ def machine_report():
 
 # ----------------------------------------------------------------------------- jobs
 
-class JobError(RuntimeError):
-    def __init__(self, msg, log_tail=""):
-        super().__init__(msg)
-        self.log_tail = log_tail
-
-
-class NetnsJob(launch.Job):
-    """mxhylo.launch's Job (process groups, time limit, teardown, signals) that also
-    answers the workers' counter marks (``mark-NAME`` files in ``sync_dir``): it reads
-    every role's interface counters and acknowledges with ``mark-NAME.ack``."""
-
-    def __init__(self, children, topo, sync_dir, **kwargs):
-        super().__init__(children, **kwargs)
-        self.topo, self.sync_dir = topo, sync_dir
-        self.counters, self.counter_errors = {}, []
-
-    def _serve_marks(self):
-        try:
-            names = os.listdir(self.sync_dir)
-        except OSError:
-            return
-        for name in names:
-            if not name.startswith("mark-") or name.endswith((".ack", ".tmp")):
-                continue
-            mark = name[len("mark-"):]
-            if mark in self.counters:
-                continue
-            try:
-                self.counters[mark] = self.topo.all_counters()
-            except (netns.NetnsError, ValueError) as err:
-                self.counters[mark] = None
-                self.counter_errors.append("%s: %s" % (mark, err))
-            open(os.path.join(self.sync_dir, name + ".ack"), "w").close()
-
-    def _check(self):
-        self._serve_marks()
-        return super()._check()
-
-
-def job_children(topo, num_workers, num_servers, port, config_path, job_dir,
-                 worker_threads=1, python=None):
-    """procs.Child objects of one job: ``ip netns exec NS python ...`` per role, with the
-    DMLC_* variables of mxhylo.launch's role_env (each node's own DMLC_NODE_HOST, as
-    for a remote host) and its server defaults (one OpenMP thread)."""
-    python = python or sys.executable
-    base = clean_env()
-    base["PYTHONUNBUFFERED"] = "1"
-    sched = topo.addr("scheduler")
-    children = []
-    for role in topo.roles:
-        kind = "scheduler" if role == "scheduler" else role.rstrip("0123456789")
-        env = dict(base)
-        if kind == "scheduler":
-            env.update(launch.role_env("scheduler", num_workers, num_servers, sched, port))
-            env["DMLC_NODE_HOST"] = sched
-        else:
-            env.update(launch.role_env(kind, num_workers, num_servers, sched, port, "ssh",
-                                       node_host=topo.addr(role)))
-        if kind == "server":
-            env.update(launch.server_defaults(base))
-        if kind == "worker":
-            if worker_threads:
-                env["OMP_NUM_THREADS"] = str(worker_threads)
-            index = int(role[len("worker"):])
-            program = [python, "-m", "mxhylo.bench.train_worker", "--config", config_path,
-                       "--index", str(index), "--out", os.path.join(job_dir, role + ".json")]
-            name = "worker %d" % index
-        else:
-            program = [python, "-c", "import mxnet"]
-            name = kind if kind == "scheduler" else "server %s" % role[len("server"):]
-        children.append(procs.Child(name, kind, topo.exec_prefix(role) + program, env))
-    return children
-
-
-def _tail(path, n=3000):
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - n))
-            return f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-
-
-def run_job(topo, job_dir, config, port, timeout, worker_threads=1):
-    """One parameter-server job; returns (worker results, {mark: counters})."""
-    W, S = config["num_workers"], config["num_servers"]
-    sync_dir = os.path.join(job_dir, "sync")
-    os.makedirs(sync_dir)
-    config = dict(config, sync_dir=sync_dir, barrier_timeout=timeout)
-    config_path = os.path.join(job_dir, "config.json")
-    with open(config_path, "w") as f:
-        json.dump(config, f)
-    children = job_children(topo, W, S, port, config_path, job_dir, worker_threads)
-    log_path = os.path.join(job_dir, "job.log")
-    with open(log_path, "w") as log:
-        job = NetnsJob(children, topo, sync_dir, timeout=timeout, grace=5.0,
-                       shutdown_timeout=30.0, out=log, err=log)
-        code = job.run()
-    if job.stop_signal is not None:
-        if job.stop_signal == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise _Interrupted("signal %d" % job.stop_signal)
-    if code != 0:
-        tail = _tail(log_path)
-        reason = [l for l in tail.splitlines() if "job FAILED" in l]
-        msg = reason[-1].split("] ", 1)[-1] if reason else "exit code %d" % code
-        if "SIGKILL" in msg and "did not stop" not in tail:
-            msg += (" (nothing in the job sent it: most likely the kernel's OOM killer, "
-                    "see dmesg; a smaller --batch-size or fewer workers need less memory)")
-        raise JobError(msg, tail)
-    results = []
-    for i in range(W):
-        path = os.path.join(job_dir, "worker%d.json" % i)
-        try:
-            with open(path) as f:
-                results.append(json.load(f))
-        except (OSError, ValueError) as err:
-            raise JobError("worker %d's result %s: %s" % (i, path, err), _tail(log_path))
-    if job.counter_errors:
-        raise JobError("interface counters: " + "; ".join(job.counter_errors))
-    return results, job.counters
-
-
 def speed_timeout(summary, num_workers, steps, warmup, stream):
     """Seconds for one speed job: start-up plus, per exchange, 6 dense-pull floors, the
     codec CPU bound and 10 s of computation."""
@@ -823,7 +701,7 @@ def _run_speed(args, parsed, common, report, topo, tmp, skipped):
             _log("%s / %s (time limit %.0f s)..." % (m, mode, timeout))
             t0 = time.monotonic()
             try:
-                results, counters = run_job(topo, job_dir, config, port, timeout,
+                results, counters = run_job(topo, job_dir, config, port, timeout, WORKER,
                                             args.worker_threads)
                 r = per_mode[mode] = summarise_speed(results, counters.get("start"),
                                                      counters.get("end"), args.steps)
@@ -893,7 +771,7 @@ def _run_tta(args, parsed, common, report, topo, tmp, skipped):
             _log("tta %s seed %d (time limit %.0f s)..." % (mode, seed, timeout))
             t0 = time.monotonic()
             try:
-                results, counters = run_job(topo, job_dir, config, port, timeout,
+                results, counters = run_job(topo, job_dir, config, port, timeout, WORKER,
                                             args.worker_threads)
                 r = summarise_tta_run(results, args.target, counters.get("start"),
                                       counters.get("end"))
