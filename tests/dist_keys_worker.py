@@ -14,6 +14,10 @@
         writing the last completed step to OUT after each (the test stops a server)
     python tests/dist_keys_worker.py fp16 OUT       a layer in 3 chunks with the fp16 codec
         (policy), 3 steps of seeded gradients; writes OUT.npz too
+    python tests/dist_keys_worker.py order:HOW OUT  a small conv net trained 4 steps by a
+        gluon.Trainer, its step exchanged in one call last layer first (HOW=step, the
+        store's hook) or by Gluon's own loop, one key at a time in order (HOW=serial);
+        writes the parameters to OUT.npz
 OUT may contain {rank}; the worker writes its results there as JSON.
 """
 import json
@@ -161,6 +165,41 @@ def fp16():
                "bytes_pushed": stats["bytes_pushed"], "dense_bytes": stats["dense_bytes"]},
               open(out.format(rank=kv.rank), "w"))
 
+
+def trainer_order(how):
+    """The same training, exchanged in one call (the hook) or key by key (Gluon)."""
+    from mxnet import gluon
+    from mxhylo.kvstore import trainer_hook
+    if how == "serial":     # this process only: Gluon's own loop, one pushpull per key
+        gluon.Trainer._allreduce_grads = trainer_hook._GLUON["_allreduce_grads"]
+    mx.random.seed(0)
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Conv2D(32, 3, in_channels=8, activation="relu"),   # conv_topk
+            gluon.nn.Dense(64, in_units=32 * 36, activation="relu"),   # fc_2bit
+            gluon.nn.Dense(10, in_units=64))                            # small: fused
+    net.initialize(mx.init.Xavier())
+    kv = mxhylo.create("dist_sync_hylo", warmup_steps=0, size_threshold=1024)
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
+                            kvstore=kv)
+    rng = np.random.RandomState(400 + kv.rank)
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    for _ in range(4):
+        x = mx.nd.array(rng.normal(size=(4, 8, 8, 8)))
+        y = mx.nd.array(rng.randint(0, 10, size=4))
+        with mx.autograd.record():
+            loss = loss_fn(net(x), y)
+        loss.backward()
+        trainer.step(4)
+    params = {name: p.data().asnumpy() for name, p in net.collect_params().items()}
+    policies = sorted({plan.strategy for plan in kv.plans().values()})
+    np.savez(out.format(rank=kv.rank) + ".npz", **params)
+    json.dump({"policies": policies, "buckets": len(kv.transport.keys.bucket_keys)},
+              open(out.format(rank=kv.rank), "w"))
+
+
+if mode.startswith("order:"):
+    trainer_order(mode[len("order:"):])
+    sys.exit(0)
 
 if mode == "fp16":
     fp16()

@@ -227,3 +227,24 @@ def test_keys_made_during_training_under_shaken_timing(tmp_path):
 def test_keys_made_during_training_50_launches(tmp_path):
     """The issue's bar: 50 consecutive start-ups (python -m pytest --runslow)."""
     _startup_launches(tmp_path, 50)
+
+
+def test_one_call_exchange_equals_gluons_serial_loop_bitwise(tmp_path):
+    """2 workers + 2 servers: the Trainer's step exchanged in one call, last layer first,
+    small layers fused (the store's hook, kvstore/trainer_hook.py), gives bitwise the
+    parameters of Gluon's own loop, one pushpull per key in order, over 4 compressed
+    steps (conv_topk, fc_2bit and fused uncompressed layers)."""
+    runs = {}
+    for how in ("step", "serial"):
+        proc, out, _ = launch_keys_worker(tmp_path, "order:" + how)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs[how] = [dict(np.load(out.format(rank=r) + ".npz")) for r in range(2)]
+        reports = [json.load(open(out.format(rank=r))) for r in range(2)]
+        assert reports[0]["policies"] == ["conv_topk", "fc_2bit", "none"], reports
+        # only the one-call exchange fuses small layers into a bucket key
+        assert (reports[0]["buckets"] > 0) == (how == "step"), (how, reports)
+    for name, value in runs["step"][0].items():
+        for r in range(2):
+            np.testing.assert_array_equal(runs["serial"][r][name], value, err_msg=name)
+            np.testing.assert_array_equal(runs["step"][r][name], value, err_msg=name)
+
