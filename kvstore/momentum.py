@@ -21,13 +21,16 @@ behind dense per step or collapse (README, "Accuracy"). DGC's remedy, done here:
   hylo 0.5-3 points below dense; without it hylo matched dense;
 * the sum of the workers' sent velocities must reach the weights as a plain SGD step,
   not through the Trainer's momentum a second time. The store does not touch the
-  optimizer; it hands it ``agg_t - m * (c_{t-1} / c_t) * agg_{t-1}`` instead of
-  ``agg_t`` (``c`` the optimizer's rescale_grad): the optimizer's momentum buffer
-  then telescopes to exactly ``-lr * c_t * agg_t`` for the gradient part (weight decay
-  keeps its usual momentum). Exact for MXNet's SGD while the learning rate is
-  constant; at a change of learning rate the buffer carries a one-off difference
-  that decays with the momentum. Gradient clipping in the optimizer sees the
-  corrected values, not the raw sums.
+  optimizer; it hands it ``agg_t - m * (lr_{t-1} c_{t-1}) / (lr_t c_t) * agg_{t-1}``
+  instead of ``agg_t`` (``c`` the optimizer's rescale_grad, ``lr`` its learning rate
+  at that step): the optimizer's momentum buffer then telescopes to exactly
+  ``-lr_t * c_t * agg_t`` for the gradient part (weight decay keeps its usual
+  momentum), under any learning-rate schedule. Without the ratio of learning rates a
+  decaying schedule (cosine) would leave ``m * c * (lr_{t-1} - lr_t) * agg_{t-1}`` in
+  the buffer at every step: near the schedule's end, where lr_t is small, a
+  leftover as large as the step itself. A step with lr 0 keeps the rescale ratio only
+  (nothing can cancel there). Gradient clipping in the optimizer sees the corrected
+  values, not the raw sums.
 
 Used with gluon.Trainer's 'sgd' optimizer (momentum > 0); not with other optimizers
 (LARS rescales per layer from the gradient's norm, Adam keeps its own moments), where
@@ -45,10 +48,13 @@ from .. import ops
 class MomentumContext:
     """What the store knows of the optimizer for this step.
 
-    momentum: the optimizer's momentum coefficient m; rescale: its rescale_grad c_t.
+    momentum: the optimizer's momentum coefficient m; rescale: its rescale_grad c_t;
+    lr: the learning rate it applies at this step (before per-parameter lr_mult, which
+    cancels in the ratio of two steps).
     """
     momentum: float
     rescale: float
+    lr: float = 1.0
 
 
 def from_optimizer(optimizer):
@@ -59,7 +65,16 @@ def from_optimizer(optimizer):
     momentum = float(getattr(optimizer, "momentum", 0.0) or 0.0)
     if momentum <= 0.0:
         return None
-    return MomentumContext(momentum, float(optimizer.rescale_grad))
+    return MomentumContext(momentum, float(optimizer.rescale_grad), step_lr(optimizer))
+
+
+def step_lr(optimizer):
+    """The learning rate ``optimizer`` will apply in its coming update: its scheduler at
+    the coming update count (Optimizer._update_count adds 1 before _get_lrs reads it),
+    or its fixed lr."""
+    if optimizer.lr_scheduler is not None:
+        return float(optimizer.lr_scheduler(optimizer.num_update + 1))
+    return float(optimizer.lr)
 
 
 def accumulate(name, grad, memory, ctx):
@@ -83,8 +98,13 @@ def correct(name, aggregate, memory, ctx):
     into what the optimizer must receive, and remember it for the next step."""
     previous = memory.array(name, "previous_aggregate", aggregate)
     last_rescale = memory.scalar(name, "previous_rescale")
+    last_lr = memory.scalar(name, "previous_lr")
     if last_rescale is None:
         previous[:] = aggregate
     else:
-        ops.momentum_correct(aggregate, previous, ctx.momentum * last_rescale / ctx.rescale)
+        ratio = last_rescale / ctx.rescale
+        if last_lr is not None and ctx.lr > 0:
+            ratio *= last_lr / ctx.lr
+        ops.momentum_correct(aggregate, previous, ctx.momentum * ratio)
     memory.set_scalar(name, "previous_rescale", ctx.rescale)
+    memory.set_scalar(name, "previous_lr", ctx.lr)

@@ -9,6 +9,33 @@ from mxhylo.kvstore import momentum
 from mxhylo.kvstore.memory import ResidualMemory
 
 
+def test_corrected_aggregates_step_plainly_under_a_decaying_learning_rate():
+    """With the learning rate changing every step (a cosine schedule in MXNet's SGD),
+    the corrected aggregates still move the weights by exactly -lr_t * rescale * agg_t
+    per step: the ratio of learning rates is part of the correction. The context's lr
+    is the one the optimizer then applies."""
+    rng = np.random.RandomState(1)
+    m, steps = 0.9, 8
+    # (to max_update + 2: at lr 0 nothing can cancel the buffer, documented)
+    sched = mx.lr_scheduler.CosineScheduler(max_update=steps + 2, base_lr=0.1, final_lr=0.0)
+    opt = mx.optimizer.SGD(learning_rate=0.1, momentum=m, wd=0.0, lr_scheduler=sched,
+                           rescale_grad=0.5)
+    w = mx.nd.array(rng.normal(size=(4, 3)))
+    expected = w.asnumpy().astype(np.float64)
+    state = opt.create_state(0, w)
+    memory = ResidualMemory()
+    for step in range(steps):
+        ctx = momentum.from_optimizer(opt)
+        agg = rng.normal(size=(4, 3)).astype(np.float32)
+        corrected = mx.nd.array(agg)
+        momentum.correct("w", corrected, memory, ctx)
+        opt.update(0, w, corrected, state)
+        assert ctx.lr == pytest.approx(opt._get_lr(0)), step       # the lr just applied
+        expected -= ctx.lr * 0.5 * agg
+        np.testing.assert_allclose(w.asnumpy(), expected, rtol=1e-5, atol=1e-6,
+                                   err_msg="step %d" % step)
+
+
 def test_corrected_aggregates_make_mxnet_sgd_step_plainly():
     """Fed the corrected aggregates, MXNet's momentum SGD moves the weights by exactly
     -lr * rescale * aggregate per step (no second momentum), also when rescale_grad
