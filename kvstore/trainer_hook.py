@@ -14,6 +14,17 @@ a hylo store, and leaves every other store to Gluon's own code:
 * ``_allreduce_grads``: a hylo store exchanges the whole step in one call
   (``Hylo.exchange_step``) instead of Gluon's loop of one pushpull per key.
 
+And one repair for every distributed store, MXNet's own included:
+
+* ``_init_params``: waits until the parameters it broadcast have arrived. Why: in
+  MXNet 1.9.1's KVStoreDist the broadcast's pull lands in a fresh buffer on every
+  worker but rank 0, and the first step's pushpull of the same key uses the gradient
+  array as its buffer: two engine operations with no variable in common, so ps-lite
+  may send the pushpull first. When that push completes the server's round, the pull
+  returns the summed gradient instead of the initial weights, and with
+  update_on_kvstore=False that worker trains on different weights for good
+  (measured: 1 run in 7 of a 2-worker dist_sync job on 2 loaded cores).
+
 Patched on the class, so it covers ``gluon.Trainer(kvstore='dist_sync_hylo')`` built by
 the user, mxhylo.LARSTrainer (a subclass) and the Trainers mxhylo.run gives the job's
 store. Installed once, when mxhylo.kvstore is imported (as the store's names are
@@ -34,6 +45,7 @@ def install(store_class):
         return
     from mxnet import gluon
     init_kvstore = gluon.Trainer._init_kvstore
+    init_params = gluon.Trainer._init_params
     allreduce_grads = gluon.Trainer._allreduce_grads
 
     @functools.wraps(init_kvstore)
@@ -41,6 +53,19 @@ def install(store_class):
         init_kvstore(trainer)
         if isinstance(trainer._kvstore, store_class):
             trainer._kvstore.attach_trainer(trainer)
+
+    @functools.wraps(init_params)
+    def _init_params(trainer):
+        pending = list(trainer._params_to_init)
+        init_params(trainer)
+        kv = trainer._kvstore
+        if kv is None or "dist" not in str(getattr(kv, "type", "")):
+            return
+        still_deferred = set(id(p) for p in trainer._params_to_init)
+        for param in pending:
+            if id(param) not in still_deferred:
+                for array in param.list_data():
+                    array.wait_to_read()
 
     @functools.wraps(allreduce_grads)
     def _allreduce_grads(trainer):
@@ -50,7 +75,9 @@ def install(store_class):
         else:
             allreduce_grads(trainer)
 
-    _GLUON.update(_init_kvstore=init_kvstore, _allreduce_grads=allreduce_grads)
+    _GLUON.update(_init_kvstore=init_kvstore, _init_params=init_params,
+                  _allreduce_grads=allreduce_grads)
     gluon.Trainer._init_kvstore = _init_kvstore
+    gluon.Trainer._init_params = _init_params
     gluon.Trainer._allreduce_grads = _allreduce_grads
 

@@ -287,6 +287,76 @@ def test_trainer_hook_names_keys_before_the_first_step_and_leaves_other_stores()
     np.testing.assert_array_equal(grads[0].asnumpy(), grads[1].asnumpy())
 
 
+class _RecordingDistStore(mx.kv.KVStoreBase):
+    """A distributed-looking store that logs broadcasts and pushpulls (no network)."""
+
+    def __init__(self, kv_type, log):
+        self._type, self.log = kv_type, log
+
+    @property
+    def type(self):
+        return self._type
+
+    @property
+    def rank(self):
+        return 1
+
+    @property
+    def num_workers(self):
+        return 2
+
+    def is_capable(self, capability):
+        return False
+
+    def broadcast(self, key, value, out, priority=0):
+        self.log.append(("broadcast", key))
+        for o in (out if isinstance(out, list) else [out]):
+            if o is not value:
+                value.copyto(o)
+
+    def pushpull(self, key, value, out=None, priority=0):
+        self.log.append(("pushpull", key))
+
+    def set_optimizer(self, optimizer):
+        raise NotImplementedError
+
+    def save_optimizer_states(self, fname, dump_optimizer=False):
+        raise NotImplementedError
+
+    def load_optimizer_states(self, fname):
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("kv_type", ["dist_sync", "local"])
+def test_trainer_hook_waits_for_the_broadcast_before_the_first_pushpull(monkeypatch, kv_type):
+    """kvstore.trainer_hook: on a distributed store the parameters Trainer._init_params
+    broadcast are waited for before the first step's pushpull (MXNet 1.9.1's dist store
+    may otherwise send that pushpull before the broadcast's pull: a worker then trains
+    on the summed gradient as weights). A local store is left as Gluon runs it."""
+    log = []
+    waited = mx.nd.NDArray.wait_to_read
+    monkeypatch.setattr(mx.nd.NDArray, "wait_to_read",
+                        lambda self: (log.append(("wait", self.handle.value)), waited(self)))
+    net = gluon.nn.Dense(3, in_units=5)
+    net.initialize(ctx=CTX2)
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
+                            kvstore=_RecordingDistStore(kv_type, log),
+                            update_on_kvstore=False)
+    with mx.autograd.record():
+        losses = [net(mx.nd.ones((2, 5), ctx=c)).sum() for c in CTX2]
+    mx.autograd.backward(losses)
+    trainer.step(4)
+    first_pushpull = log.index(next(e for e in log if e[0] == "pushpull"))
+    waits = {h for kind, h in log[:first_pushpull] if kind == "wait"}
+    arrays = {a.handle.value for p in (net.weight, net.bias) for a in p.list_data()}
+    assert [e for e in log[:first_pushpull] if e[0] == "broadcast"] == \
+        [("broadcast", 0), ("broadcast", 1)]
+    if kv_type == "local":
+        assert not arrays & waits
+    else:
+        assert arrays <= waits, "the broadcast parameters were not waited for"
+
+
 def test_trainer_with_compression_off_equals_device_kvstore():
     """policy {'.*': 'none'}: hylo trains exactly like MXNet's 'device' kvstore."""
     from mxhylo.digits import train
