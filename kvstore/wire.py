@@ -43,7 +43,9 @@ Checkpoints move the servers' residuals through the same keys (kvstore.server's
 Every layout has its writer next to its reader here: pushes (``push_*``, read by the
 servers' sum and by :func:`slot_payload`), pulls (``pull_values`` /
 ``pull_payload``, ``gather_values`` / ``gather_payloads``), checkpoint state
-(``state_values`` / ``read_state``); the transport and the servers only move them.
+(``state_values`` / ``read_state``), and whole payloads as self-delimiting bytes for
+collectives that gather without summing (``payload_blob`` / ``blob_payloads``:
+kvstore.transport_horovod); the transports and the servers only move them.
 """
 import dataclasses
 from dataclasses import dataclass
@@ -51,7 +53,7 @@ from dataclasses import dataclass
 import mxnet as mx
 import numpy as np
 
-from .compressors import Payload, make_compressors
+from .compressors import CODEC_NAMES, Payload, make_compressors
 
 PULL_CODECS = ("none", "gather", "fc_2bit", "conv_topk")   # codec names, and gather
 
@@ -66,6 +68,7 @@ BYTES_PER_VALUE = 3           # payload bytes per float32 value (24-bit integers
 PIECE_UNIT = 16               # pieces of a layer start at multiples of this (a 2-bit word)
 # the codecs' layout facts (wire, scalars, byte spans; kvstore.codec), by strategy name
 _CODECS = make_compressors()
+CODEC_INDEX = {name: i for i, name in enumerate(CODEC_NAMES)}
 ROW_ID_BYTES = 8              # row_sparse pushes and pulls carry int64 row ids
 
 
@@ -393,6 +396,100 @@ def read_state(layout, values):
     if layout.pull == "fc_2bit" and np.isfinite(values[layout.size]):
         threshold = float(values[layout.size])
     return values[:layout.size].copy(), threshold
+
+
+# -- blobs: a whole payload as bytes, for collectives that gather bytes unsummed -------
+#
+# Horovod's allgather (kvstore.transport_horovod) concatenates every worker's uint8
+# array in rank order, whatever their lengths. A blob is self-delimiting, so the
+# concatenation is read back blob by blob without knowing the workers' sizes:
+#
+#   4 uint32 (little-endian): blob bytes (header included, a multiple of 4), the
+#   codec's index in CODEC_NAMES, header scalars s, rows k ('rows' codecs, else 0);
+#   s float32 scalars; then the codec's body: 'dense' the float32 values; 'rows' the
+#   k int32 indices, then the k rows of float32 values; 'slots' the codec's to_bytes;
+#   zero bytes up to a multiple of 4.
+
+BLOB_HEADER_BYTES = 16
+
+
+@dataclass
+class Blob:
+    """One worker's payload read back from a concatenation of blobs, and the bytes
+    its blob took there (header and padding included)."""
+    payload: Payload
+    nbytes: int
+
+
+def payload_blob(payload):
+    """One worker's Payload -> its blob (uint8 numpy, a multiple of 4 bytes). Read by
+    :func:`blob_payloads`."""
+    codec = _CODECS[payload.strategy]
+    k = 0
+    if codec.wire == "dense":
+        body = [payload.arrays[0].asnumpy().astype(np.float32, copy=False).reshape(-1)]
+    elif codec.wire == "rows":
+        indices, values = (a.asnumpy() for a in payload.arrays)
+        k = len(indices)
+        body = [indices.astype(np.int32, copy=False),
+                values.astype(np.float32, copy=False).reshape(-1)]
+    else:
+        body = [np.asarray(codec.to_bytes(payload), np.uint8)]
+    parts = [np.asarray(payload.scalars, np.float32)] + body
+    parts = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in parts]
+    n = BLOB_HEADER_BYTES + sum(len(a) for a in parts)
+    total = n + (-n) % 4
+    header = np.array([total, CODEC_INDEX[payload.strategy], len(payload.scalars), k],
+                      "<u4").view(np.uint8)
+    blob = np.zeros(total, np.uint8)
+    blob[:n] = np.concatenate([header] + parts)
+    return blob
+
+
+def blob_payloads(data, shape):
+    """The blobs of one layer of ``shape``, concatenated (uint8 numpy, as an allgather
+    returns them) -> a Blob per worker, in order. Each Payload's ``shape`` is the flat
+    form its codec decodes into: (O, F) for a 'rows' codec (O filters of F elements),
+    (n,) otherwise; decode into ``out.reshape(payload.shape)``."""
+    data = np.ascontiguousarray(np.asarray(data, np.uint8).reshape(-1))
+    shape = tuple(int(d) for d in shape)
+    n = int(np.prod(shape)) if shape else 1
+    payloads, at = [], 0
+    while at < len(data):
+        if len(data) - at < BLOB_HEADER_BYTES:
+            raise ValueError("blob at byte %d of %d: truncated header" % (at, len(data)))
+        total, index, s, k = (int(v) for v in data[at:at + BLOB_HEADER_BYTES].view("<u4"))
+        if total < BLOB_HEADER_BYTES or total % 4 or at + total > len(data) \
+                or index >= len(CODEC_NAMES):
+            raise ValueError("blob at byte %d of %d: corrupt header (%d bytes, codec %d)"
+                             % (at, len(data), total, index))
+        body = data[at + BLOB_HEADER_BYTES:at + total]
+        codec = _CODECS[CODEC_NAMES[index]]
+        scalars = tuple(float(v) for v in body[:4 * s].view(np.float32))
+        body = body[4 * s:]
+        cols = n // shape[0] if codec.wire == "rows" else 0
+        if codec.wire == "dense":
+            need = 4 * n
+        elif codec.wire == "rows":
+            need = 4 * k * (1 + cols)             # indices, then rows
+        else:
+            need = codec.byte_span(0, n)[1]
+        if len(body) < need:
+            raise ValueError("blob at byte %d: %s body of %d bytes, a layer of shape %s "
+                             "needs %d" % (at, codec.name, len(body), shape, need))
+        if codec.wire == "dense":
+            values = body[:4 * n].view(np.float32)
+            payload = Payload(codec.name, (n,), (mx.nd.array(values),))
+        elif codec.wire == "rows":
+            indices = body[:4 * k].view(np.int32)
+            values = body[4 * k:4 * k + 4 * k * cols].view(np.float32).reshape(k, cols)
+            payload = Payload(codec.name, (shape[0], cols),
+                              (mx.nd.array(indices, dtype=np.int32), mx.nd.array(values)))
+        else:
+            payload = codec.piece_payload(body, np.asarray(scalars, np.float32), n)
+        payloads.append(Blob(payload, total))
+        at += total
+    return payloads
 
 
 def pack_bytes(data):

@@ -1,0 +1,256 @@
+"""Transport over Horovod's collectives (ring allreduce and allgather, Gloo): no servers.
+
+The path of the seeds' decentralized systems (Baidu's ring allreduce, "ImageNet in
+4 minutes"), with hylo's layer-aware codecs:
+
+* layers whose payload is dense float32 (uncompressed layers, and compressed layers
+  during their warm-up steps) are summed by one fused ring allreduce
+  (``hvd.grouped_allreduce_``, in place in the layers' float32 aggregates);
+* compressed layers travel as each worker's own encoded payload, as bytes
+  (kvstore.wire's blobs), through one grouped ``hvd.allgather``; every worker then
+  decodes the W payloads of a layer in rank order and sums them into the layer's
+  aggregate. Every worker runs the same float operations on the same bytes, and the
+  ring allreduce hands every worker the same sums, so all workers write bitwise the
+  same aggregates.
+
+There is no server, so nothing re-compresses an aggregate on its way back (the
+store's compress_pull must be off: the allgather already returns the workers' own
+payloads, what compress_pull='gather' pulls from parameter servers) and there is no
+server state to checkpoint. Local devices are summed by the store before a payload
+is encoded (hierarchical: one payload per worker).
+
+Launch: ``horovodrun -np W -H host:slots --gloo python script.py`` (the store picks
+this transport by itself there: kvstore.hylo, transport 'auto').
+"""
+import os
+import zlib
+from dataclasses import dataclass
+from typing import List
+
+import mxnet as mx
+import numpy as np
+
+from .compressors import make_compressors
+from .transport import Traffic, Transport
+from .wire import blob_payloads, payload_blob
+
+INSTALL_HINT = (
+    "install Horovod with MXNet and Gloo into this environment (make setup does it): "
+    "HOROVOD_WITH_MXNET=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 "
+    "HOROVOD_WITHOUT_MPI=1 HOROVOD_WITH_GLOO=1 HOROVOD_CPU_OPERATIONS=gloo "
+    "pip install --no-build-isolation horovod==0.28.1  (mxnet must be installed first)")
+
+# horovodrun sets these in every process it starts (Gloo and MPI modes alike)
+_HOROVODRUN_ENV = ("HOROVOD_RANK", "HOROVOD_SIZE")
+
+
+def launched_by_horovodrun(environ=None):
+    """Whether this process was started by horovodrun (and not as an MXNet
+    parameter-server node, which has DMLC_ROLE). Imports nothing."""
+    env = os.environ if environ is None else environ
+    return all(k in env for k in _HOROVODRUN_ENV) and "DMLC_ROLE" not in env
+
+
+SYMBOLIC = "-Wl,-Bsymbolic"
+
+
+def _load_ops_bound_to_themselves():
+    """Load mxhylo's C++ operators linked with -Wl,-Bsymbolic, or fail clearly.
+
+    Why: horovod.mxnet loads its library with RTLD_GLOBAL, which puts libmxnet.so's
+    symbols in the global scope. MXNet's extension library (ops/build.py, compiled
+    with MXNet's own lib_api.cc) then binds lib_api functions it defines itself to
+    libmxnet.so's copies, lazily, at their first call: loading the library after
+    horovod.mxnet crashes in mx.library.load (segmentation fault), and running an
+    operator loaded before it aborts ("free(): invalid pointer"); measured with
+    mxnet 1.9.1 and horovod 0.28.1. Linked with -Bsymbolic, the library binds its own
+    definitions to itself and both orders work. Until ops/build.py links with it by
+    default, this adds it through $MXHYLO_CXXFLAGS (build.py's documented knob: a
+    library of its own in the build cache) before the operators are first loaded.
+    """
+    from .. import ops
+    if SYMBOLIC in ops.build.flags():
+        ops.backend()
+        return
+    if ops._backend:        # loaded already (or fell back), without -Bsymbolic
+        if ops._backend[0] == "reference":
+            return
+        raise RuntimeError(
+            "mxhylo's C++ operators were loaded before the 'horovod' transport was "
+            "created, without %s: with horovod.mxnet in the process they crash. Create "
+            "the store before running any mxhylo operator, set MXHYLO_CXXFLAGS=%s, or "
+            "MXHYLO_OPS=reference." % (SYMBOLIC, SYMBOLIC))
+    os.environ["MXHYLO_CXXFLAGS"] = (os.environ.get("MXHYLO_CXXFLAGS", "") + " " +
+                                     SYMBOLIC).strip()
+    ops.backend()
+
+
+def import_horovod():
+    """horovod.mxnet, initialised; ImportError saying how to install it otherwise."""
+    _load_ops_bound_to_themselves()
+    try:
+        # a Horovod built without MXNet has no horovod/mxnet/mpi_lib: this import fails
+        # ("Extension horovod.mxnet has not been built"); 0.28 has no mxnet_built()
+        import horovod.mxnet as hvd
+    except ImportError as err:
+        raise ImportError("the hylo 'horovod' transport needs horovod.mxnet, which does "
+                          "not import (%s); %s" % (err, INSTALL_HINT)) from err
+    if not (hvd.gloo_built() or hvd.mpi_built()):
+        raise ImportError("horovod.mxnet imports but Horovod was built with neither Gloo "
+                          "nor MPI: it cannot run collectives on CPUs; %s" % INSTALL_HINT)
+    if not hvd.is_initialized():
+        hvd.init()
+    return hvd
+
+
+def ring_allreduce_bytes(nbytes, num_workers):
+    """Bytes one worker sends (and as many it receives) in a ring allreduce of
+    ``nbytes``: reduce-scatter then allgather of W segments, 2 (W - 1) / W * nbytes."""
+    return 2 * (num_workers - 1) * nbytes // num_workers
+
+
+def ring_allgather_bytes(sizes, rank):
+    """(sent, received) bytes of worker ``rank`` in a ring allgather of blocks of
+    ``sizes`` bytes (one per worker, rank order), as Gloo's allgatherv runs it: in
+    W - 1 steps a worker forwards every block but its successor's, and receives every
+    block but its own."""
+    total, w = sum(sizes), len(sizes)
+    if w == 1:
+        return 0, 0
+    return total - sizes[(rank + 1) % w], total - sizes[rank]
+
+
+@dataclass
+class _Dense:
+    """An item summed by the fused allreduce."""
+    index: int
+    name: str           # the layer's
+    out: mx.nd.NDArray
+    nbytes: int         # of the float32 aggregate
+
+
+@dataclass
+class _Gathered:
+    """A compressed item: its own blob goes out, every worker's blob comes back."""
+    index: int
+    layer: object
+    out: mx.nd.NDArray
+    blob: np.ndarray
+
+
+def _group_name(kind, names):
+    """A collective's name, the same on every worker (the layers' names; Python's
+    hash() differs between processes) and the same for the same layers every step
+    (Horovod's response cache then skips the negotiation)."""
+    return "hylo.%s.%08x.%d" % (kind, zlib.crc32("\0".join(names).encode()), len(names))
+
+
+class HorovodTransport(Transport):
+    """Moves hylo payloads with Horovod's collectives; see the module docstring.
+
+    compress_pull: must be None (off): there is no server to re-compress aggregates.
+    """
+
+    def __init__(self, compress_pull=None):
+        if compress_pull is not None:
+            raise ValueError(
+                "compress_pull=%r needs parameter servers, and the 'horovod' transport has "
+                "none: its allgather already returns every worker's own compressed payload "
+                "(what 'gather' pulls from servers). Leave compress_pull at 'auto' or pass "
+                "False." % (compress_pull,))
+        self.hvd = import_horovod()
+        self.rank = self.hvd.rank()
+        self.num_workers = self.hvd.size()
+        self._codecs = make_compressors()      # decoders of the gathered payloads
+
+    # -- no keys, no servers -------------------------------------------------------------
+
+    def init(self, layer, value):
+        """Nothing to create: collectives need no keys."""
+
+    def broadcast(self, layer, value, outs):
+        """Rank 0's ``value`` into every array of ``outs`` (Horovod's broadcast)."""
+        result = self.hvd.broadcast(value, root_rank=0,
+                                    name="hylo.broadcast." + layer.plan.name)
+        for out in outs:
+            if out.dtype == result.dtype:
+                result.copyto(out)
+            else:
+                out[:] = result.astype(out.dtype)
+
+    def prepare(self, layers):
+        """Nothing to create before an exchange."""
+
+    # -- one exchange --------------------------------------------------------------------
+
+    def exchange(self, items):
+        """One exchange: (layer, payload, out) items, out float32 of the layer's shape.
+
+        Dense payloads are copied into their ``out`` and summed there in place by one
+        grouped ring allreduce (asynchronous: ``wait`` blocks on it); compressed
+        payloads travel as blobs through one grouped allgather (blocking), and each
+        ``out`` receives the sum of the W decoded payloads, in rank order, before this
+        returns. Returns one Traffic per item (bytes this worker sent and received;
+        see ring_allreduce_bytes and ring_allgather_bytes).
+        """
+        traffic, dense, gathered = [], [], []
+        for i, (layer, payload, out) in enumerate(items):
+            traffic.append(Traffic())
+            if self._codecs[payload.strategy].wire == "dense":
+                grad = payload.arrays[0]
+                if grad.handle.value != out.handle.value:
+                    grad.reshape(out.shape).copyto(out)
+                dense.append(_Dense(i, layer.plan.name, out, 4 * layer.plan.size))
+            else:
+                gathered.append(_Gathered(i, layer, out, payload_blob(payload)))
+        if dense and self.num_workers > 1:
+            # one group: Horovod fuses it into one buffer, one ring allreduce
+            self.hvd.grouped_allreduce_([d.out for d in dense], op=self.hvd.Sum,
+                                        name=_group_name("allreduce",
+                                                         [d.name for d in dense]))
+        for n, d in enumerate(dense):
+            moved = ring_allreduce_bytes(d.nbytes, self.num_workers)
+            traffic[d.index] = Traffic(pushed=moved, pulled=moved, messages=int(n == 0))
+        if gathered:
+            self._gather(gathered, traffic)
+        return traffic
+
+    def _gather(self, gathered, traffic):
+        """Allgather the blobs of ``gathered``; decode and sum each layer's W payloads."""
+        if self.num_workers > 1:
+            sends = [mx.nd.array(g.blob, dtype=np.uint8) for g in gathered]
+            names = [g.layer.plan.name for g in gathered]
+            received = [r.asnumpy() for r in self.hvd.grouped_allgather(
+                sends, name=_group_name("allgather", names))]
+        else:
+            received = [g.blob for g in gathered]
+        for n, (g, data) in enumerate(zip(gathered, received)):
+            blobs = blob_payloads(data, g.layer.plan.shape)
+            if len(blobs) != self.num_workers:
+                raise RuntimeError("layer %r: %d payloads gathered from %d workers"
+                                   % (g.layer.plan.name, len(blobs), self.num_workers))
+            g.out[:] = 0
+            for blob in blobs:      # rank order: the same float sums on every worker
+                p = blob.payload
+                self._codecs[p.strategy].decode(p, g.out.reshape(p.shape), accumulate=True)
+            sent, got = ring_allgather_bytes([b.nbytes for b in blobs], self.rank)
+            traffic[g.index] = Traffic(pushed=sent, pulled=got, messages=int(n == 0))
+
+    def wait(self, layers, aggregates):
+        """Block until every aggregate is written (the allreduce runs in MXNet's engine)."""
+        for agg in aggregates:
+            agg.wait_to_read()
+
+    # -- no server state -----------------------------------------------------------------
+
+    def server_state(self):
+        """{}: there are no servers, hence no compressed pull and no state of one."""
+        return {}
+
+    def load_server_state(self, state):
+        if state:
+            raise ValueError(
+                "the 'horovod' transport has no servers, but this checkpoint holds the "
+                "parameter servers' compressed-pull state of %d layers (%s...); load it "
+                "with the parameter-server transport and the same compress_pull option"
+                % (len(state), ", ".join(sorted(state)[:3])))
