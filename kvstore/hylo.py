@@ -38,6 +38,7 @@ from .memory import ResidualMemory
 from .policy import LayerPolicy, compress_pull_mode
 from .stats import TrafficStats
 from .transport_local import LocalTransport
+from .transport_horovod import launched_by_horovodrun    # (imports no horovod)
 from . import active, trainer_hook
 
 
@@ -85,7 +86,9 @@ class Hylo(KVStoreBase):
         momentum from layers whose values are sent often, which slowed conv nets per
         step (kvstore.momentum says by how much; README, "Accuracy").
       transport: 'auto' (the parameter server when this process is an MXNet worker,
-        DMLC_ROLE=worker; in-process otherwise), 'local' or 'ps'.
+        DMLC_ROLE=worker; Horovod when horovodrun started it; in-process otherwise),
+        'local', 'ps' or 'horovod' (ring allreduce and allgather, no servers, no
+        compressed pull: kvstore.transport_horovod).
       chunk_elements, bucket_bytes, stall_timeout: parameter-server transport options
         (largest piece of a layer in one key; size of the buckets small layers are fused
         into; seconds an exchange may take before the worker ends with an error naming
@@ -103,7 +106,8 @@ class Hylo(KVStoreBase):
                                   min_conv_rate=min_conv_rate, threshold_scale=threshold_scale)
         self.compressors = make_compressors(threshold_scale)
         if transport == "auto":
-            transport = "ps" if os.environ.get("DMLC_ROLE") == "worker" else "local"
+            transport = "ps" if os.environ.get("DMLC_ROLE") == "worker" else \
+                "horovod" if launched_by_horovodrun() else "local"
         self.compress_pull = compress_pull_mode(compress_pull, distributed=transport == "ps")
         if momentum_correction not in ("auto", True, False):
             raise ValueError("momentum_correction must be 'auto', True or False, got %r"
@@ -140,7 +144,14 @@ class Hylo(KVStoreBase):
             return PSTransport(compress_pull=self.compress_pull,
                                threshold_scale=self.policy.threshold_scale,
                                warmup=self.warmup_steps > 0, **options)
-        raise ValueError("transport must be 'auto', 'local' or 'ps', got %r" % (transport,))
+        if transport == "horovod":
+            from .transport_horovod import HorovodTransport    # needs horovod.mxnet
+            if options:
+                raise TypeError("unknown options for the hylo store over Horovod: %s"
+                                % ", ".join(sorted(options)))
+            return HorovodTransport(compress_pull=self.compress_pull)
+        raise ValueError("transport must be 'auto', 'local', 'ps' or 'horovod', got %r"
+                         % (transport,))
 
     # -- KVStoreBase contract ------------------------------------------------------------
 
