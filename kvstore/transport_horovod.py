@@ -87,7 +87,6 @@ def _load_ops_bound_to_themselves():
 
 def import_horovod():
     """horovod.mxnet, initialised; ImportError saying how to install it otherwise."""
-    _load_ops_bound_to_themselves()
     try:
         # a Horovod built without MXNet has no horovod/mxnet/mpi_lib: this import fails
         # ("Extension horovod.mxnet has not been built"); 0.28 has no mxnet_built()
@@ -98,6 +97,7 @@ def import_horovod():
     if not (hvd.gloo_built() or hvd.mpi_built()):
         raise ImportError("horovod.mxnet imports but Horovod was built with neither Gloo "
                           "nor MPI: it cannot run collectives on CPUs; %s" % INSTALL_HINT)
+    _load_ops_bound_to_themselves()     # after horovod.mxnet is fine, with -Bsymbolic
     if not hvd.is_initialized():
         hvd.init()
     return hvd

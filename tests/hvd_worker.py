@@ -100,13 +100,14 @@ def main(mode, out_dir):
         kv = mxhylo.create(policy={".*": "none"})
         trainer = gluon.Trainer(net.collect_params(), "sgd", opt, kvstore=kv)
         broadcast_now(trainer)
+        initial = params_of(net, "init/")      # rank 0's, broadcast
         train(net, trainer, rank, size)
         params = ref.collect_params()
         hvd.broadcast_parameters(params, root_rank=0)
         hvd_trainer = hvd.DistributedTrainer(params, "sgd", opt)    # averages
         train(ref, hvd_trainer, rank, 1)
         out = params_of(net, "hylo/")
-        out.update(params_of(ref, "horovod/"))
+        out.update(params_of(ref, "horovod/"), **initial)
         np.savez(os.path.join(out_dir, "none-%d.npz" % rank), **out)
     else:
         raise SystemExit("unknown mode %r" % mode)
