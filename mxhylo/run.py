@@ -18,7 +18,11 @@ worker: the distributed kvstore is created once (default
   and a script's own mx.kv.create('dist_...') gets the job's store. What is and is
   not patched: DistributedPatches, and the README's "mxhylo.run" section.
 
-Without DMLC_ROLE (not launched) SCRIPT just runs, with mxhylo imported.
+Under horovodrun (``horovodrun -np W -H ... --gloo python -m mxhylo.run SCRIPT``, no
+DMLC_ROLE) every process is a worker as above, and the hylo store moves gradients with
+Horovod's ring allreduce and allgather (kvstore.transport_horovod); no servers.
+
+Without DMLC_ROLE or horovodrun (not launched) SCRIPT just runs, with mxhylo imported.
 
 A worker whose script raises or exits non-zero leaves at once (os._exit) instead of
 waiting in ps-lite's exit-time finalize for workers that are waiting for it: without
@@ -66,6 +70,12 @@ def create_kvstore(name, timeout):
         os._exit(EXIT_SETUP)
 
     def give_up():
+        if "HOROVOD_RANK" in os.environ and "DMLC_ROLE" not in os.environ:
+            _say("this worker could not join the Horovod job within %g s (horovodrun's "
+                 "rendezvous HOROVOD_GLOO_RENDEZVOUS_ADDR=%s unreachable, or a worker "
+                 "missing); giving up"
+                 % (timeout, os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")))
+            os._exit(EXIT_NO_JOB)
         _say("this worker could not join the parameter-server job within %g s "
              "(scheduler DMLC_PS_ROOT_URI=%s DMLC_PS_ROOT_PORT=%s unreachable, or a "
              "server/worker of the job missing); giving up"
@@ -329,6 +339,7 @@ def main(argv=None):
         _say("cannot import mxhylo in this %s process (broken environment?)"
              % os.environ.get("DMLC_ROLE", "worker"))
         return EXIT_SETUP
+    from mxhylo.kvstore.transport_horovod import launched_by_horovodrun
     role = os.environ.get("DMLC_ROLE")
     if role in ("server", "scheduler"):
         # MXNet's import runs the ps-lite loop for these roles and calls sys.exit()
@@ -341,6 +352,15 @@ def main(argv=None):
     if not os.path.isfile(args.script):
         _say("no such script: %s" % args.script)
         return EXIT_SETUP
+    if role is None and launched_by_horovodrun():
+        # horovodrun started this process: a worker whose hylo store moves gradients
+        # with Horovod (its transport 'auto'); MXNet's native stores have no Horovod
+        if "hylo" not in args.kvstore.lower():
+            _say("under horovodrun the job's store is a hylo store over Horovod; "
+                 "--kvstore %s is MXNet's parameter-server store, which needs "
+                 "python -m mxhylo.launch" % args.kvstore)
+            return EXIT_SETUP
+        return run_worker(args)
     if role is None:
         # Not launched as part of a job: one plain process, no store, no patches.
         run_script(args.script, args.script_args)
