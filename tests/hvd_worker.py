@@ -8,6 +8,8 @@ MODE:
         'auto': horovodrun's environment picks 'horovod'), momentum SGD, two warm-up
         steps (dense) then compressed ones. Writes OUT_DIR/hylo-<rank>.npz (the
         parameters) and OUT_DIR/hylo-<rank>.json (kv.stats()).
+  run   (under python -m mxhylo.run) a Trainer created without a kvstore: writes
+        OUT_DIR/run-<rank>.npz and .json (the job store's type and transport).
   none  the same net twice from the same initial values: once with hylo and
         policy {'.*': 'none'} (step(W*b): the store sums), once with
         hvd.DistributedTrainer (which averages); writes OUT_DIR/none-<rank>.npz with
@@ -109,6 +111,16 @@ def main(mode, out_dir):
         out = params_of(net, "hylo/")
         out.update(params_of(ref, "horovod/"), **initial)
         np.savez(os.path.join(out_dir, "none-%d.npz" % rank), **out)
+    elif mode == "run":
+        # run as the script of python -m mxhylo.run: a Trainer without a kvstore gets
+        # the job's store (hylo over Horovod) and divides by W * b itself
+        net = build_net(seed=0)
+        trainer = gluon.Trainer(net.collect_params(), "sgd", opt)
+        train(net, trainer, rank, 1)
+        transport = type(trainer._kvstore.transport).__name__   # made at the first step
+        np.savez(os.path.join(out_dir, "run-%d.npz" % rank), **params_of(net))
+        with open(os.path.join(out_dir, "run-%d.json" % rank), "w") as f:
+            json.dump({"transport": transport, "type": trainer._kvstore.type}, f)
     else:
         raise SystemExit("unknown mode %r" % mode)
 

@@ -156,12 +156,12 @@ def _processes_mentioning(text):
     return pids
 
 
-def horovodrun(mode, out_dir, timeout=120):
-    """Run tests/hvd_worker.py MODE in 2 Horovod processes; its output on failure.
-    horovodrun picks its own free port; the whole process group is killed on timeout,
-    and no process of the job may outlive it."""
-    cmd = [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, WORKER,
-           mode, str(out_dir)]
+def horovodrun(mode, out_dir, timeout=120, prefix=(), expect=0):
+    """Run [prefix...] tests/hvd_worker.py MODE in 2 Horovod processes; returns the
+    output. horovodrun picks its own free port; the whole process group is killed on
+    timeout, and no process of the job may outlive it."""
+    cmd = [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable] + \
+        list(prefix) + [WORKER, mode, str(out_dir)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
@@ -170,7 +170,7 @@ def horovodrun(mode, out_dir, timeout=120):
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail("horovodrun %s timed out after %d s:\n%s" % (mode, timeout, out[-4000:]))
-    assert proc.returncode == 0, out[-4000:]
+    assert (proc.returncode == 0) == (expect == 0), out[-4000:]
     assert _processes_mentioning(str(out_dir)) == [], "processes of the job outlived it"
     return out
 
@@ -210,3 +210,18 @@ def test_uncompressed_hylo_over_horovod_equals_distributed_trainer(tmp_path):
             assert np.abs(run["hylo/" + name] - run["init/" + name]).max() > 1e-4, name
     for name in runs[0].files:
         assert np.array_equal(runs[0][name], runs[1][name]), name
+
+
+def test_mxhylo_run_under_horovodrun(tmp_path):
+    """python -m mxhylo.run under horovodrun: a script's Trainer without a kvstore
+    trains with the job's hylo store over Horovod, in step on both workers."""
+    horovodrun("run", tmp_path, prefix=["-m", "mxhylo.run", "--kvstore", "dist_sync_hylo"])
+    for r in (0, 1):
+        info = json.load(open(tmp_path / ("run-%d.json" % r)))
+        assert info == {"transport": "HorovodTransport", "type": "dist_sync_hylo"}
+    a, b = (np.load(tmp_path / ("run-%d.npz" % r)) for r in (0, 1))
+    for name in a.files:
+        assert np.array_equal(a[name], b[name]), name
+    out = horovodrun("run", tmp_path, prefix=["-m", "mxhylo.run", "--kvstore", "dist_sync"],
+                     expect=1)
+    assert "needs python -m mxhylo.launch" in out
