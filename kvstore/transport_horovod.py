@@ -181,6 +181,16 @@ class HorovodTransport(Transport):
     def prepare(self, layers):
         """Nothing to create before an exchange."""
 
+    def share_from_rank0(self, values):
+        """Rank 0's 1-D float32 numpy ``values`` on every worker (a Horovod broadcast;
+        collective: every worker calls it, with as many values)."""
+        values = np.asarray(values, np.float32).ravel()
+        if self.num_workers == 1:
+            return values
+        self._shares = getattr(self, "_shares", 0) + 1     # the same count on every worker
+        return self.hvd.broadcast(mx.nd.array(values), root_rank=0,
+                                  name="hylo.share.%d" % self._shares).asnumpy()
+
     # -- one exchange --------------------------------------------------------------------
 
     def exchange(self, items):
