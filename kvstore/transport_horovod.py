@@ -25,7 +25,6 @@ this transport by itself there: kvstore.hylo, transport 'auto').
 import os
 import zlib
 from dataclasses import dataclass
-from typing import List
 
 import mxnet as mx
 import numpy as np

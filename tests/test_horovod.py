@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 import mxhylo
-from mxhylo.kvstore import transport_horovod
 from mxhylo.kvstore.compressors import make_compressors
 from mxhylo.kvstore.memory import ResidualMemory
 from mxhylo.kvstore.policy import LayerPlan
