@@ -45,6 +45,9 @@ def main():
     parser.add_argument("--warmup-steps", type=int, default=None,
                         help="hylo: exchanges each compressed layer travels dense first "
                              "(default: the library's, 30)")
+    parser.add_argument("--cost-model", choices=("auto", "on", "off"), default="auto",
+                        help="hylo: whether measured costs may leave layers dense on a "
+                             "fast network (default: the library's, 'auto')")
     parser.add_argument("--json", help="write accuracy and traffic to this file")
     parser.add_argument("--save-params", metavar="PATTERN",
                         help="save the final parameters to PATTERN.format(rank=kv.rank) (.npz)")
@@ -60,6 +63,8 @@ def main():
     options = {} if args.compress_pull is None else {"compress_pull": args.compress_pull}
     if args.warmup_steps is not None:
         options["warmup_steps"] = args.warmup_steps
+    if args.cost_model != "auto":
+        options["cost_model"] = args.cost_model == "on"
     kv = mxhylo.create(args.kvstore, policy=args.policy, **options) \
         if "hylo" in args.kvstore else args.kvstore
     result = train(kvstore=kv, contexts=contexts, epochs=args.epochs,
@@ -72,7 +77,9 @@ def main():
                       dense_bytes=stats["dense_bytes"],
                       ratio=stats["ratio"], compressed_layers_ratio=stats["compressed_layers_ratio"],
                       messages_per_step=stats["messages_per_step"],
-                      bytes_per_server=stats["bytes_per_server"])
+                      bytes_per_server=stats["bytes_per_server"],
+                      cost_model=stats.get("cost_model"),
+                      plans={name: layer["policy"] for name, layer in stats["layers"].items()})
         log("worker %d: test accuracy %.4f; pushed %.2f MB and pulled %.2f MB where dense "
             "float32 moves %.2f MB each way (push %.1fx less; compressed layers %.1fx)" % (
                 result["rank"], result["accuracy"], stats["bytes_pushed"] / 1e6,

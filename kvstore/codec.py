@@ -80,6 +80,11 @@ class Compressor:
         """Write (or with accumulate, add) the decoded payload into float32 NDArray ``out``."""
         raise NotImplementedError
 
+    def payload_nbytes(self, plan):
+        """Payload.nbytes of an encode of layer ``plan``, known before encoding (the
+        cost model's bytes). Default: the layer as float32."""
+        return 4 * plan.size + 4 * self.scalars
+
     def to_bytes(self, payload):
         """'slots' codecs: the whole payload's data as bytes (uint8 numpy)."""
         raise NotImplementedError

@@ -22,6 +22,9 @@ class Float16(Compressor):
     name = "fp16"
     wire = "slots"
 
+    def payload_nbytes(self, plan):
+        return 2 * plan.size
+
     def encode(self, plan, grad, memory):
         residual = memory.residual(plan.name, grad)
         total = grad.astype(np.float32) + residual

@@ -85,6 +85,9 @@ class TwoBit(Compressor):
         ops.dequantize_2bit(codes, payload.scalars[0], payload.shape, out=out,
                             accumulate=accumulate)
 
+    def payload_nbytes(self, plan):
+        return 4 * -(-plan.size // 16) + 4 * self.scalars     # int32 words of 16 codes
+
     def to_bytes(self, payload):
         return payload.arrays[0].asnumpy().view(np.uint8)
 
@@ -115,6 +118,10 @@ class ConvTopK(Compressor):
             undo_encode(self, payload, grad, residual)
             raise_non_finite(plan.name, int(bad), plan.size)
         return payload
+
+    def payload_nbytes(self, plan):
+        row = plan.size // plan.shape[0]
+        return plan.k * (4 + 4 * row)               # int32 index + float32 filter each
 
     def decode(self, payload, out, accumulate=False):
         indices, values = payload.arrays

@@ -4,9 +4,10 @@ One gradient's way through ``pushpull(key, [g_dev0, g_dev1, ...])``:
 
 1. reduce: the per-device gradients are summed on the first device (a worker with
    several devices compresses once: hierarchical aggregation);
-2. encode: the layer's plan (kvstore.policy) picks a compressor (kvstore.compressors),
-   which folds in the layer's residual (kvstore.memory) and leaves there what it
-   does not send;
+2. encode: the layer's plan (kvstore.policy, and where compression would not pay on
+   this network kvstore.cost_model) picks a compressor (kvstore.compressors), which
+   folds in the layer's residual (kvstore.memory) and leaves there what it does not
+   send;
 3. exchange: the transport moves the payload and returns the aggregate of all
    workers' decoded payloads (kvstore.transport_local in one process,
    kvstore.transport_ps over MXNet's parameter server);
@@ -34,8 +35,9 @@ from mxnet.kvstore import KVStoreBase
 
 from . import momentum as momentum_correction
 from .compressors import make_compressors
+from .cost_model import CostModel, WireCost, time_codec
 from .memory import ResidualMemory
-from .policy import LayerPolicy, compress_pull_mode
+from .policy import DEFAULT_SIZE_THRESHOLD, LayerPolicy, compress_pull_mode
 from .stats import TrafficStats
 from .transport_local import LocalTransport
 from .transport_horovod import launched_by_horovodrun    # (imports no horovod)
@@ -43,6 +45,9 @@ from . import active, trainer_hook
 
 
 DEFAULT_WARMUP_STEPS = 30
+# dense probe layers the cost model times at start-up: 64 KB and 4 MB of float32
+COST_PROBE_ELEMENTS = (1 << 14, 1 << 20)
+COST_PROBE_REPEATS = 3
 
 
 class Layer:
@@ -61,7 +66,7 @@ class Hylo(KVStoreBase):
     """Hylo layer-aware gradient compression as an MXNet kvstore.
 
     Options (see kvstore.policy for the rule they tune):
-      size_threshold: layers with fewer elements travel uncompressed (default 8192).
+      size_threshold: layers with fewer elements travel uncompressed (None: 8192).
       conv_rate: None for the layer-adaptive rate, or a fixed fraction of filters.
       policy: dict of name regex -> 'conv_topk' | 'fc_2bit' | 'none', tried in order.
       max_conv_rate, min_conv_rate: bounds of the adaptive conv rate.
@@ -89,6 +94,13 @@ class Hylo(KVStoreBase):
         DMLC_ROLE=worker; Horovod when horovodrun started it; in-process otherwise),
         'local', 'ps' or 'horovod' (ring allreduce and allgather, no servers, no
         compressed pull: kvstore.transport_horovod).
+      cost_model: 'auto' (default: over the parameter server, unless policy,
+        size_threshold, conv_rate or compress_pull is given, which then rule alone),
+        True, or False. At start-up the workers time dense exchanges of two probe sizes
+        and rank 0 times the codecs; a layer the policy would compress travels dense
+        where the model predicts compression does not save at least 10% of its
+        exchange time (a fast network). Every worker uses rank 0's numbers, so all
+        reach the same plan; stats()['cost_model'] has each layer's prediction.
       chunk_elements, bucket_bytes, stall_timeout: parameter-server transport options
         (largest piece of a layer in one key; size of the buckets small layers are fused
         into; seconds an exchange may take before the worker ends with an error naming
@@ -97,10 +109,19 @@ class Hylo(KVStoreBase):
     """
     kv_type = "hylo"
 
-    def __init__(self, size_threshold=8192, conv_rate=None, policy=None, max_conv_rate=0.1,
+    def __init__(self, size_threshold=None, conv_rate=None, policy=None, max_conv_rate=0.1,
                  min_conv_rate=0.01, threshold_scale=1.0, compress_pull="auto",
                  momentum_correction="auto", momentum_masking=False, warmup_steps=None,
-                 transport="auto", **transport_options):
+                 cost_model="auto", transport="auto", **transport_options):
+        if cost_model not in ("auto", True, False):
+            raise ValueError("cost_model must be 'auto', True or False, got %r"
+                             % (cost_model,))
+        explicit = [name for name, given in (
+            ("policy", policy is not None), ("size_threshold", size_threshold is not None),
+            ("conv_rate", conv_rate is not None), ("compress_pull", compress_pull != "auto"))
+            if given]
+        if size_threshold is None:
+            size_threshold = DEFAULT_SIZE_THRESHOLD
         self.policy = LayerPolicy(size_threshold=size_threshold, conv_rate=conv_rate,
                                   policy=policy, max_conv_rate=max_conv_rate,
                                   min_conv_rate=min_conv_rate, threshold_scale=threshold_scale)
@@ -132,6 +153,11 @@ class Hylo(KVStoreBase):
         self.transport = self._make_transport(transport, transport_options)
         if self.transport.num_workers > 1 or transport == "ps":
             active.set_active(self)
+        use_model = cost_model is True or (cost_model == "auto" and transport == "ps"
+                                           and not explicit)
+        self.cost = None            # (the probes themselves are planned without it)
+        if use_model:
+            self.cost = self._measure_costs()
 
     def _make_transport(self, transport, options):
         if transport == "local":
@@ -339,7 +365,14 @@ class Hylo(KVStoreBase):
                    options=dict(self.policy.options(), compress_pull=self.compress_pull,
                                 momentum_correction=self.momentum_correction,
                                 momentum_masking=self.momentum_masking,
-                                warmup_steps=self.warmup_steps))
+                                warmup_steps=self.warmup_steps,
+                                cost_model=self.cost is not None))
+        if self.cost is not None:
+            out["cost_model"] = {
+                "latency_s": self.cost.wire.latency_s,
+                "per_byte_s": self.cost.wire.per_byte_s,
+                "codecs": {s: vars(c) for s, c in self.cost.codecs.items()},
+                "layers": {name: vars(p) for name, p in self.cost.decisions.items()}}
         return out
 
     def plans(self):
@@ -410,11 +443,51 @@ class Hylo(KVStoreBase):
                                      "storage type %r" % (what, k, a.stype))
         return keys, values, outs
 
+    # -- the cost model (kvstore.cost_model) ---------------------------------------------
+
+    def _measure_costs(self):
+        """Time dense exchanges of the probe layers (every worker: the servers need all
+        pushes) and, on rank 0, the codecs; the CostModel of rank 0's numbers."""
+        nbytes, seconds = [], []
+        for n in COST_PROBE_ELEMENTS:
+            key = "__hylo_cost_probe_%d__" % n
+            probe = mx.nd.zeros((n,))
+            self.broadcast(key, probe, probe)
+            times = []
+            for _ in range(COST_PROBE_REPEATS):
+                clock = time.perf_counter()
+                self.pushpull(key, probe)
+                probe.wait_to_read()
+                times.append(time.perf_counter() - clock)
+            nbytes.append(4 * n)
+            seconds.append(float(np.median(times[1:])))
+            del self._layers[key]               # not a layer of the model: no stats
+        self.traffic = TrafficStats()
+        strategies = ("conv_topk", "fc_2bit")
+        values = np.zeros(2 + 2 * len(strategies))
+        if self.rank == 0:
+            codecs = {s: time_codec(self.policy, self.compressors[s]) for s in strategies}
+            values = CostModel(WireCost.fit(nbytes, seconds), codecs, self.num_workers,
+                               self.compress_pull).to_array(strategies)
+        shared = self.transport.share_from_rank0(values)
+        return CostModel.from_array(shared, strategies, self.num_workers, self.compress_pull)
+
+    def _plan(self, name, shape):
+        """The policy's plan, made 'none' where the cost model says compression does not
+        pay (and the strategy is one the model knows)."""
+        plan = self.policy.plan(name, shape)
+        if self.cost is None or plan.strategy not in self.cost.codecs:
+            return plan
+        nbytes = self.compressors[plan.strategy].payload_nbytes(plan)
+        if self.cost.decide(plan, nbytes) == plan.strategy:
+            return plan
+        return self.policy.plan_as(name, shape, "none")
+
     def _layer(self, key, shape):
         layer = self._layers.get(key)
         if layer is None:
             name = self._name(key)
-            plan = self.policy.plan(name, shape)
+            plan = self._plan(name, shape)
             layer = self._layers[key] = Layer(key, plan, self.compressors[plan.strategy])
         elif layer.plan.shape != tuple(shape):
             raise ValueError("key %r (%s) was first used with shape %s, now %s"

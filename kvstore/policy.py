@@ -130,6 +130,11 @@ class LayerPolicy:
             strategy = "none"
         return self._make(name, shape, strategy, forced=False)
 
+    def plan_as(self, name, shape, strategy):
+        """The LayerPlan of ``name`` with ``shape`` under ``strategy``, as an override
+        would make it (the cost model's probes; its choice of 'none' for a layer)."""
+        return self._make(name, tuple(int(d) for d in shape), strategy, forced=True)
+
     def _make(self, name, shape, strategy, forced):
         if strategy == "conv_topk":
             if len(shape) < 2 or shape[0] < 1:

@@ -129,6 +129,16 @@ class KeyTable:
                 "server's output for the import error" % (
                     bad, [got[s] for s in bad], 2 * self.num_workers + 1))
 
+    def share_from_rank0(self, values):
+        """Rank 0's float32 ``values`` (1-D numpy) on every worker (a collective: each
+        worker calls it at the same point). MXNet's init stores rank 0's value only."""
+        key = self._key_on(0)
+        mine = mx.nd.array(np.asarray(values, np.float32).ravel())
+        self.kv.init(key, mine)
+        got = mx.nd.zeros(mine.shape)
+        self.kv.pull(key, out=got)
+        return got.asnumpy()
+
     def check_same_model(self, layer):
         """Raise unless every worker has the same layer (shape, strategy) at this point.
 

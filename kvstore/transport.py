@@ -9,6 +9,8 @@ import abc
 from dataclasses import dataclass, field
 from typing import Dict
 
+import numpy as np
+
 
 @dataclass
 class Traffic:
@@ -59,6 +61,14 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def wait(self, layers, aggregates):
         """Block until every aggregate of the exchange is written."""
+
+    def share_from_rank0(self, values):
+        """Rank 0's 1-D float32 numpy ``values`` on every worker (collective). In one
+        process: the values themselves."""
+        if self.num_workers > 1:
+            raise NotImplementedError("%s cannot share values between workers"
+                                      % type(self).__name__)
+        return np.asarray(values, np.float32).ravel()
 
     @abc.abstractmethod
     def server_state(self):

@@ -50,40 +50,6 @@ def launched_by_horovodrun(environ=None):
     return all(k in env for k in _HOROVODRUN_ENV) and "DMLC_ROLE" not in env
 
 
-SYMBOLIC = "-Wl,-Bsymbolic"
-
-
-def _load_ops_bound_to_themselves():
-    """Load mxhylo's C++ operators linked with -Wl,-Bsymbolic, or fail clearly.
-
-    Why: horovod.mxnet loads its library with RTLD_GLOBAL, which puts libmxnet.so's
-    symbols in the global scope. MXNet's extension library (ops/build.py, compiled
-    with MXNet's own lib_api.cc) then binds lib_api functions it defines itself to
-    libmxnet.so's copies, lazily, at their first call: loading the library after
-    horovod.mxnet crashes in mx.library.load (segmentation fault), and running an
-    operator loaded before it aborts ("free(): invalid pointer"); measured with
-    mxnet 1.9.1 and horovod 0.28.1. Linked with -Bsymbolic, the library binds its own
-    definitions to itself and both orders work. Until ops/build.py links with it by
-    default, this adds it through $MXHYLO_CXXFLAGS (build.py's documented knob: a
-    library of its own in the build cache) before the operators are first loaded.
-    """
-    from .. import ops
-    if SYMBOLIC in ops.build.flags():
-        ops.backend()
-        return
-    if ops._backend:        # loaded already (or fell back), without -Bsymbolic
-        if ops._backend[0] == "reference":
-            return
-        raise RuntimeError(
-            "mxhylo's C++ operators were loaded before the 'horovod' transport was "
-            "created, without %s: with horovod.mxnet in the process they crash. Create "
-            "the store before running any mxhylo operator, set MXHYLO_CXXFLAGS=%s, or "
-            "MXHYLO_OPS=reference." % (SYMBOLIC, SYMBOLIC))
-    os.environ["MXHYLO_CXXFLAGS"] = (os.environ.get("MXHYLO_CXXFLAGS", "") + " " +
-                                     SYMBOLIC).strip()
-    ops.backend()
-
-
 def import_horovod():
     """horovod.mxnet, initialised; ImportError saying how to install it otherwise."""
     try:
@@ -96,7 +62,8 @@ def import_horovod():
     if not (hvd.gloo_built() or hvd.mpi_built()):
         raise ImportError("horovod.mxnet imports but Horovod was built with neither Gloo "
                           "nor MPI: it cannot run collectives on CPUs; %s" % INSTALL_HINT)
-    _load_ops_bound_to_themselves()     # after horovod.mxnet is fine, with -Bsymbolic
+    # (mxhylo's operators may load before or after it: ops/build.py links them with
+    # -Bsymbolic, see BASE_FLAGS there)
     if not hvd.is_initialized():
         hvd.init()
     return hvd

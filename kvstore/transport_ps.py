@@ -140,6 +140,9 @@ class PSTransport(Transport):
     def prepare(self, layers):
         self.keys.prepare(layers)
 
+    def share_from_rank0(self, values):
+        return self.keys.share_from_rank0(values)
+
     # -- one exchange --------------------------------------------------------------------
 
     def exchange(self, items):

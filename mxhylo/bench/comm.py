@@ -25,6 +25,7 @@ namespaces) is removed at the end, on error and on SIGINT/SIGTERM/SIGHUP.
 import datetime
 import importlib.util
 import json
+import math
 import os
 import platform
 import re
@@ -41,8 +42,8 @@ from . import netns
 from .jobs import JobError, _Interrupted, clean_env, run_job
 
 ALL_MODES = ("dense_pushpull", "dense_push_pull", "mxnet_2bit", "hylo", "hylo_gather",
-             "hylo_pull", "hylo_pull2bit")
-HYLO_MODES = ("hylo", "hylo_gather", "hylo_pull", "hylo_pull2bit")
+             "hylo_pull", "hylo_pull2bit", "hylo_auto")
+HYLO_MODES = ("hylo", "hylo_gather", "hylo_pull", "hylo_pull2bit", "hylo_auto")
 DEFAULT_MODELS = ("resnet50_v1b", "vgg16", "alexnet")
 BASELINE = "dense_pushpull"
 FLOAT_BYTES = 4
@@ -182,7 +183,7 @@ def model_summary(params, num_workers, num_servers, rate_bps):
                             "fraction": sizes[big] / total},
             "dense_pull_floor_s": dense_pull_floor(dense_bytes, num_workers, num_servers,
                                                    rate_bps),
-            "dense_push_floor_s": dense_bytes * 8.0 / rate_bps}
+            "dense_push_floor_s": dense_bytes * 8.0 / rate_bps}   # 0 when unshaped
 
 
 def dense_pull_floor(dense_bytes, num_workers, num_servers, rate_bps):
@@ -268,6 +269,7 @@ def add_speedups(results, floor_s):
 
 
 def job_timeout(summary, num_workers, steps, warmup):
+    # (unshaped links: the floor is 0 and the CPU term bounds the job)
     rounds = steps + warmup + 2
     return 120.0 + rounds * (6.0 * summary["dense_pull_floor_s"]
                              + num_workers * summary["dense_bytes"] / _CPU_BYTES_PER_S)
@@ -493,6 +495,125 @@ def _log(msg):
 
 
 def run(args):
+    """One report per rate of --rate (a comma-separated list); with several rates, a
+    sweep report holding them and each mode's speedup over dense against bandwidth."""
+    reason = netns.check_capable()
+    if reason:
+        raise SystemExit("mxhylo.bench comm: cannot create network namespaces: " + reason)
+    rates = parse_list(args.rate, what="rate")
+    try:
+        for rate in rates:
+            netns.parse_rate(rate)
+        models = parse_list(args.models, what="model")
+    except ValueError as err:
+        raise SystemExit("mxhylo.bench comm: %s" % err)
+    if len(rates) == 1:
+        return run_rate(args, rates[0])
+    _log("model shapes (gluoncv, one forward at %d)..." % args.image_size)
+    shapes = shapes_in_subprocess(models, args.image_size)
+    plot = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
+    per_rate = {}
+    for rate in rates:
+        _log("=== rate %s ===" % rate)
+        per_rate[rate] = run_rate(args, rate, shapes=shapes, plot="")
+    report = {"suite": "comm_sweep", "date": per_rate[rates[0]]["date"],
+              "machine": per_rate[rates[0]]["machine"],
+              "config": dict(per_rate[rates[0]]["config"], rate=None, rates=rates),
+              "rates": per_rate}
+    report["sweep"] = sweep_table(report)
+    report["sweep_checks"] = sweep_checks(report)
+    for line in format_sweep(report):
+        _log(line)
+    if plot:
+        write_sweep_plot(report, plot)
+        report["plot"] = plot
+        _log("plot: " + plot)
+    return report
+
+
+AUTO_MODE = "hylo_auto"          # mxhylo's defaults: the mode the sweep's bar is about
+
+
+def sweep_table(report):
+    """{model: {mode: {rate: speedup over dense pushpull or None}}}."""
+    table = {}
+    for rate, rep_ in report["rates"].items():
+        for model, per_mode in rep_["results"].items():
+            for mode, res in per_mode.items():
+                table.setdefault(model, {}).setdefault(mode, {})[rate] = \
+                    res.get("speedup_vs_" + BASELINE) if res.get("status") == "ok" else None
+    return table
+
+
+def sweep_checks(report, auto=AUTO_MODE, min_vs_dense=1.0, min_vs_best=0.9):
+    """Per model and rate: hylo's default at least ``min_vs_dense`` x dense pushpull and
+    at least ``min_vs_best`` of the best fixed hylo mode that ran."""
+    checks = {}
+    for model, per_mode in report["sweep"].items():
+        if auto not in per_mode:
+            continue
+        for rate, speedup in per_mode[auto].items():
+            fixed = [per_mode[m].get(rate) for m in per_mode
+                     if m.startswith("hylo") and m != auto and per_mode[m].get(rate)]
+            best = max(fixed) if fixed else None
+            vs_best = speedup / best if speedup and best else None
+            checks["%s@%s" % (model, rate)] = {
+                "speedup": speedup, "best_fixed_hylo": best, "vs_best_fixed": vs_best,
+                "ok": bool(speedup and speedup >= min_vs_dense
+                           and (vs_best is None or vs_best >= min_vs_best))}
+    return checks
+
+
+def format_sweep(report):
+    rates = report["config"]["rates"]
+    lines = ["speedup over %s by rate:" % BASELINE,
+             "%-14s %-16s " % ("model", "mode") + " ".join("%9s" % r for r in rates)]
+    for model, per_mode in report["sweep"].items():
+        for mode, by_rate in per_mode.items():
+            lines.append("%-14s %-16s " % (model, mode) + " ".join(
+                "%8.2fx" % by_rate[r] if by_rate.get(r) else "%9s" % "-" for r in rates))
+    for name, c in sorted(report["sweep_checks"].items()):
+        lines.append("%-28s %s: %.2fx dense, %s of the best fixed hylo mode" % (
+            name, "ok" if c["ok"] else "BELOW the bar", c["speedup"] or 0,
+            "%.2f" % c["vs_best_fixed"] if c["vs_best_fixed"] else "-"))
+    return lines
+
+
+def write_sweep_plot(report, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = report["config"]["rates"]
+    models = list(report["sweep"])
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4.2), squeeze=False)
+    xs = list(range(len(rates)))
+    for ax, model in zip(axes[0], models):
+        for mode, by_rate in report["sweep"][model].items():
+            ys = [by_rate.get(r) or float("nan") for r in rates]
+            ax.plot(xs, ys, marker="o", lw=2.5 if mode == AUTO_MODE else 1.2,
+                    label=mode + (" (default)" if mode == AUTO_MODE else ""))
+        ax.axhline(1.0, color="k", ls="--", lw=1)
+        ax.set_xticks(xs)
+        ax.set_xticklabels(["unshaped" if r == "none" else r for r in rates])
+        ax.set_title(model)
+        ax.set_xlabel("link rate")
+        ax.set_ylabel("speedup over %s (x)" % BASELINE)
+        ax.set_yscale("log")
+    axes[0][0].legend(fontsize=7)
+    cfg = report["config"]
+    fig.suptitle("comm sweep: %d workers, %d servers, %s, %s" % (
+        cfg["workers"], cfg["servers"],
+        "AVX-512" if any(f.startswith("avx512") for f in
+                         report["machine"].get("cpu_features") or []) else "AVX2 or less",
+        report["date"][:10]), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_rate(args, rate, shapes=None, plot=None):
+    """The report of one rate (shapes: {model: params} already computed, or None)."""
     reason = netns.check_capable()
     if reason:
         raise SystemExit("mxhylo.bench comm: cannot create network namespaces: " + reason)
@@ -500,7 +621,7 @@ def run(args):
     if W < 1 or S < 1:
         raise SystemExit("mxhylo.bench comm: need at least one worker and one server")
     try:
-        rate_bps = netns.parse_rate(args.rate)
+        rate_bps = netns.parse_rate(rate)
         delay_s = netns.parse_time(args.delay) if args.delay else 0.0
         models = parse_list(args.models, what="model")
         modes = parse_list(args.modes, ALL_MODES, what="mode")
@@ -517,14 +638,17 @@ def run(args):
             skipped[mode] = "skipped: mxhylo.kvstore.transport_ps is not available in this build"
             notes.append(mode + " mode " + skipped[mode])
 
-    plot = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
+    if plot is None:
+        plot = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
     if args.cleanup_stale:
         for name in netns.stale_namespaces():
             subprocess.run(["ip", "netns", "del", name], timeout=netns.CMD_TIMEOUT)
             _log("removed stale namespace " + name)
 
-    _log("model shapes (gluoncv, one forward at %d)..." % args.image_size)
-    shapes, summaries = shapes_in_subprocess(models, args.image_size), {}
+    if shapes is None:
+        _log("model shapes (gluoncv, one forward at %d)..." % args.image_size)
+        shapes = shapes_in_subprocess(models, args.image_size)
+    summaries = {}
     for m in models:
         summaries[m] = model_summary(shapes[m], W, S, rate_bps)
         _log("  %s: %d keys, %.1f MB dense, dense-pull floor %.2f s" % (
@@ -535,7 +659,8 @@ def run(args):
         "suite": "comm",
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": machine_info(),
-        "config": {"workers": W, "servers": S, "rate": args.rate, "rate_bps": rate_bps,
+        "config": {"workers": W, "servers": S, "rate": rate,
+                   "rate_bps": None if math.isinf(rate_bps) else rate_bps,
                    "delay": args.delay, "mtu": args.mtu,
                    "tbf_burst_bytes": netns.tbf_burst_bytes(rate_bps),
                    "steps": args.steps, "warmup": args.warmup, "timed_steps": timed_steps,
@@ -569,8 +694,7 @@ def run(args):
            "grad_scale": args.grad_scale, "seed": args.seed, "hylo_options": hylo_options}
 
     with ShapedRun(topo, tmp, "comm", args.keep_tmp) as shaped:
-        _log("namespaces %s* up: %d roles, %s links" % (topo.prefix, len(topo.roles),
-                                                         args.rate))
+        _log("namespaces %s* up: %d roles, %s links" % (topo.prefix, len(topo.roles), rate))
         port = PS_PORT
         for m in models:
             per_mode = report["results"][m] = {}

@@ -131,7 +131,8 @@ class HyloMode:
     def __init__(self, cfg):
         import mxhylo
         options = dict(cfg.get("hylo_options") or {})
-        options.setdefault("compress_pull", self.compress_pull)
+        if self.compress_pull != "auto":
+            options.setdefault("compress_pull", self.compress_pull)
         # the exchange of compressed steps is measured: no dense warm-up steps
         options.setdefault("warmup_steps", 0)
         self.kv = mxhylo.create("dist_sync_hylo", **options)
@@ -168,7 +169,14 @@ class HyloPull2BitMode(HyloMode):
     compress_pull = "2bit"
 
 
+class HyloAutoMode(HyloMode):
+    """hylo_auto: mxhylo.create's defaults as a user gets them ('gather' pull, and the
+    cost model choosing per layer whether compression pays on this network)."""
+    compress_pull = "auto"
+
+
 MODES = {
+    "hylo_auto": HyloAutoMode,
     "dense_pushpull": DensePushPull,
     "dense_push_pull": DensePushThenPull,
     "mxnet_2bit": MXNet2Bit,

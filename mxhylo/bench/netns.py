@@ -17,6 +17,7 @@ never clash and :meth:`Topology.destroy` removes only this process's namespaces
 Needs root and iproute2 (``ip``, ``tc``); :func:`check_capable` says why not.
 """
 import ipaddress
+import math
 import os
 import re
 import shutil
@@ -43,7 +44,10 @@ class NetnsError(RuntimeError):
 # ----------------------------------------------------------------------------- parsing
 
 def parse_rate(text):
-    """A tc rate ('1gbit', '100mbit', '10Gbit', '125mbps' = bytes/s) in bits per second."""
+    """A tc rate ('1gbit', '100mbit', '10Gbit', '125mbps' = bytes/s) in bits per second;
+    'none': unshaped links (math.inf: no tbf, only the veths' and CPUs' own speed)."""
+    if str(text).strip().lower() == "none":
+        return math.inf
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m:
         raise ValueError("not a rate: %r (examples: 1gbit, 100mbit)" % (text,))
@@ -83,12 +87,20 @@ def counters_command(ns, dev=DEV):
 def tbf_burst_bytes(rate_bps):
     """Bucket size for tbf: 2 ms of traffic, at least 64 KiB (one GSO packet fits, and
     the bucket refills within a timer tick at any rate)."""
+    if math.isinf(rate_bps):
+        return None                     # unshaped: no tbf
     return max(int(rate_bps / 8 * 0.002), 64 * 1024)
 
 
 def qdisc_commands(ns, dev, rate_bps, delay_s=0.0, queue_s=0.05):
     """tc commands shaping ``dev``'s egress in ``ns``: netem delay (if any) as root
-    with tbf below it, else tbf as root. ``queue_s``: tbf's 'latency' (queue bound)."""
+    with tbf below it, else tbf as root. ``queue_s``: tbf's 'latency' (queue bound).
+    An infinite rate (parse_rate('none')) adds no tbf."""
+    if math.isinf(rate_bps):
+        if delay_s and delay_s > 0:
+            return [["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:",
+                     "netem", "delay", "%dus" % int(round(delay_s * 1e6)), "limit", "100000"]]
+        return []
     rate = "%dbit" % int(rate_bps)
     tbf = ["tbf", "rate", rate, "burst", str(tbf_burst_bytes(rate_bps)),
            "latency", "%dms" % max(1, int(round(queue_s * 1000)))]

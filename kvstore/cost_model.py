@@ -1,0 +1,162 @@
+"""Which layers compression pays for, from measured costs (the default policy's second half).
+
+The layer policy (kvstore.policy) says what a layer *could* be compressed with; this
+model says whether that pays on this machine and this network. A layer is compressed
+only where its predicted exchange is shorter than its dense exchange by ``margin``;
+elsewhere it travels dense. At 1 Gbit/s almost every large layer compresses; on a fast
+network, where encoding costs more than the bytes it saves, layers stay dense and hylo
+is no slower than a dense exchange.
+
+Model of one layer's exchange, in seconds, for a layer of n float32 elements:
+
+    dense:            t = latency + 4n * per_byte
+    codec c:          t = latency + max(up, down) * per_byte + encode_c(n) + decode
+        up   = p, the payload's bytes (Compressor.payload_nbytes)
+        down = W * p  ('gather' pull: every worker's payload comes back)
+               4n     (dense pull), or p (a pull re-compressed by the servers)
+        decode = payloads decoded by this worker (W with 'gather', else 1) x decode_c(n)
+
+``latency`` and ``per_byte`` come from timed exchanges of dense probe layers of two
+sizes through the real transport, with every worker exchanging at once (so per_byte
+holds the servers' share of the load: W workers' bytes go through S server links, and
+the servers' summing). encode_c and decode_c are seconds per element, timed on a
+synthetic layer per codec. The sums of up and down are the bytes that cross the
+busiest link (a worker's, or a server's scaled by W/S: the same factor for both
+forms, which per_byte carries). The model leaves out the overlap of one layer's
+encode with another's transfer: it errs towards dense.
+
+Every worker must reach the same plan (the servers' layouts depend on it): rank 0
+measures, and the transport shares its numbers (CostModel.to_array / from_array).
+"""
+from dataclasses import dataclass, field
+from typing import Dict
+
+import numpy as np
+
+DEFAULT_MARGIN = 0.1          # compress only when predicted >= 10% faster than dense
+
+
+@dataclass(frozen=True)
+class WireCost:
+    """One dense exchange of b bytes per worker takes latency_s + b * per_byte_s seconds."""
+    latency_s: float
+    per_byte_s: float
+
+    @classmethod
+    def fit(cls, nbytes, seconds):
+        """Least-squares line through (bytes, seconds) points, clamped to >= 0."""
+        x = np.asarray(nbytes, np.float64)
+        y = np.asarray(seconds, np.float64)
+        if x.size < 2 or np.ptp(x) == 0:
+            raise ValueError("WireCost.fit needs exchanges of at least two sizes")
+        slope, intercept = np.polyfit(x, y, 1)
+        slope = max(float(slope), 1e-13)
+        return cls(max(float(intercept), 0.0), slope)
+
+
+@dataclass(frozen=True)
+class CodecCost:
+    """Seconds per element of a layer to encode it, and to decode one payload of it."""
+    encode_s: float
+    decode_s: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The model's view of one layer: seconds dense, seconds with its codec, the choice."""
+    dense_s: float
+    codec_s: float
+    strategy: str
+
+
+@dataclass
+class CostModel:
+    """Measured costs of this job (see the module docstring) and the rule built on them.
+
+    wire: WireCost; codecs: strategy -> CodecCost; workers: W; pull: the store's
+    compress_pull mode (None, 'gather', 'layer', '2bit'); margin: fraction by which the
+    codec must beat dense.
+    """
+    wire: WireCost
+    codecs: Dict[str, CodecCost]
+    workers: int
+    pull: object = "gather"
+    margin: float = DEFAULT_MARGIN
+    decisions: Dict[str, Prediction] = field(default_factory=dict)
+
+    def predict(self, plan, payload_nbytes):
+        """Prediction for LayerPlan ``plan`` whose codec sends ``payload_nbytes`` bytes."""
+        dense_bytes = 4 * plan.size
+        dense = self.wire.latency_s + dense_bytes * self.wire.per_byte_s
+        if plan.strategy == "none":
+            return Prediction(dense, dense, "none")
+        cost = self.codecs[plan.strategy]
+        if self.pull == "gather":
+            down, decodes = self.workers * payload_nbytes, self.workers
+        elif self.pull is None:
+            down, decodes = dense_bytes, 0
+        else:
+            down, decodes = payload_nbytes, 1
+        codec = (self.wire.latency_s + max(payload_nbytes, down) * self.wire.per_byte_s
+                 + plan.size * (cost.encode_s + decodes * cost.decode_s))
+        chosen = plan.strategy if codec < (1.0 - self.margin) * dense else "none"
+        return Prediction(dense, codec, chosen)
+
+    def decide(self, plan, payload_nbytes):
+        """The strategy for ``plan`` (its own, or 'none'); remembered for stats()."""
+        prediction = self.predict(plan, payload_nbytes)
+        self.decisions[plan.name] = prediction
+        return prediction.strategy
+
+    # -- sharing rank 0's numbers --------------------------------------------------------
+
+    def to_array(self, strategies):
+        """float64 numpy [latency, per_byte, (encode, decode) per strategy in order]."""
+        values = [self.wire.latency_s, self.wire.per_byte_s]
+        for s in strategies:
+            values += [self.codecs[s].encode_s, self.codecs[s].decode_s]
+        return np.array(values, np.float64)
+
+    @classmethod
+    def from_array(cls, array, strategies, workers, pull, margin=DEFAULT_MARGIN):
+        a = [float(v) for v in np.asarray(array, np.float64).ravel()]
+        if len(a) != 2 + 2 * len(strategies):
+            raise ValueError("cost model array of %d values for %d strategies"
+                             % (len(a), len(strategies)))
+        codecs = {s: CodecCost(a[2 + 2 * i], a[3 + 2 * i]) for i, s in enumerate(strategies)}
+        return cls(WireCost(a[0], a[1]), codecs, workers, pull, margin)
+
+
+# -- measuring a codec -------------------------------------------------------------------
+
+# synthetic layers the codecs are timed on: a 3x3 conv of 256 filters, a 1024x1024 fc
+PROBE_SHAPES = {"conv_topk": (256, 256, 3, 3), "fc_2bit": (1024, 1024)}
+
+
+def time_codec(policy, compressor, repeats=3, seed=0):
+    """CodecCost of ``compressor`` (seconds per element, median of ``repeats`` after one
+    warm-up) on the synthetic layer of its strategy, planned by ``policy``."""
+    import time
+    import mxnet as mx
+    from .memory import ResidualMemory
+
+    shape = PROBE_SHAPES.get(compressor.name, (1024, 1024))
+    plan = policy.plan_as("__cost_probe__", shape, compressor.name)
+    rng = np.random.RandomState(seed)
+    grad = mx.nd.array(rng.normal(0, 0.01, size=shape).astype(np.float32))
+    out = mx.nd.zeros(shape, dtype=np.float32)
+    memory = ResidualMemory()
+    enc, dec = [], []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        payload = compressor.encode(plan, grad, memory)
+        for a in payload.arrays:
+            a.wait_to_read()
+        t1 = time.perf_counter()
+        compressor.decode(payload, out, accumulate=True)
+        out.wait_to_read()
+        t2 = time.perf_counter()
+        enc.append(t1 - t0)
+        dec.append(t2 - t1)
+    return CodecCost(float(np.median(enc[1:])) / plan.size,
+                     float(np.median(dec[1:])) / plan.size)
