@@ -17,6 +17,12 @@ step's gradients --warmup + --steps times; the report gives per model and mode:
   links need to send every worker its pull of a dense model;
 * the speedup of each mode over dense_pushpull.
 
+Horovod modes (horovod_dense: hvd.DistributedTrainer's exchange, per-gradient
+allreduce fused by Horovod; hylo_horovod: mxhylo.create('dist_sync_hylo',
+transport='horovod')) run W processes, one per worker namespace, with horovodrun's
+Gloo environment and no servers (mxhylo.bench.horovod_jobs); the same links, counters
+and report fields. Their floor is the ring's: 2 (W - 1) / W * dense bytes / rate.
+
 Gradients are synthetic, N(0, --grad-scale) with 0.01 by default: a realistic scale
 (N(0, 1) is the worst case of threshold codecs such as MXNet's 2-bit). Needs root
 (namespaces); says so and exits non-zero otherwise. Everything created (processes,
@@ -39,10 +45,11 @@ import tempfile
 import time
 
 from . import netns
+from .horovod_jobs import HOROVOD_MODES, horovod_available
 from .jobs import JobError, _Interrupted, clean_env, run_job
 
 ALL_MODES = ("dense_pushpull", "dense_push_pull", "mxnet_2bit", "hylo", "hylo_gather",
-             "hylo_pull", "hylo_pull2bit", "hylo_auto")
+             "hylo_pull", "hylo_pull2bit", "hylo_auto") + HOROVOD_MODES
 HYLO_MODES = ("hylo", "hylo_gather", "hylo_pull", "hylo_pull2bit", "hylo_auto")
 DEFAULT_MODELS = ("resnet50_v1b", "vgg16", "alexnet")
 BASELINE = "dense_pushpull"
@@ -183,7 +190,15 @@ def model_summary(params, num_workers, num_servers, rate_bps):
                             "fraction": sizes[big] / total},
             "dense_pull_floor_s": dense_pull_floor(dense_bytes, num_workers, num_servers,
                                                    rate_bps),
-            "dense_push_floor_s": dense_bytes * 8.0 / rate_bps}   # 0 when unshaped
+            "dense_push_floor_s": dense_bytes * 8.0 / rate_bps,   # 0 when unshaped
+            "ring_allreduce_floor_s": ring_allreduce_floor(dense_bytes, num_workers,
+                                                           rate_bps)}
+
+
+def ring_allreduce_floor(dense_bytes, num_workers, rate_bps):
+    """Seconds a ring allreduce of the dense model needs on links of ``rate_bps``: each
+    worker sends (and receives) 2 (W - 1) / W of the model over its own link."""
+    return 2.0 * (num_workers - 1) / num_workers * dense_bytes / (rate_bps / 8.0)
 
 
 def dense_pull_floor(dense_bytes, num_workers, num_servers, rate_bps):
@@ -258,13 +273,21 @@ def summarise_job(worker_results, before, after, steps):
     return res
 
 
+HOROVOD_BASELINE = "horovod_dense"
+
+
 def add_speedups(results, floor_s):
-    """speedup = baseline seconds / mode seconds; also seconds / dense-pull floor."""
+    """speedup = baseline seconds / mode seconds; also seconds / dense-pull floor; and,
+    when horovod_dense ran, speedup_vs_horovod_dense."""
     base = results.get(BASELINE, {}).get("seconds")
+    hvd = results.get(HOROVOD_BASELINE, {}).get("seconds")
     for res in results.values():
         if res.get("seconds"):
             res["speedup_vs_" + BASELINE] = (base / res["seconds"]) if base else None
             res["x_dense_pull_floor"] = res["seconds"] / floor_s if floor_s else None
+            if HOROVOD_BASELINE in results:
+                res["speedup_vs_" + HOROVOD_BASELINE] = (hvd / res["seconds"]) if hvd \
+                    else None
     return results
 
 
@@ -319,9 +342,19 @@ def format_table(report):
                 wire.get("push_bytes_per_step", 0) / 1e6,
                 wire.get("pull_bytes_per_step", 0) / 1e6,
                 "%.1f" % hylo_mb if hylo_mb is not None else "-"))
+        vs = [(mode, res.get("speedup_vs_" + HOROVOD_BASELINE)) for mode, res in
+              per_mode.items() if mode != HOROVOD_BASELINE]
+        vs = [(mode, x) for mode, x in vs if x]
+        if vs:
+            lines.append("%-14s speedup vs %s: %s" % (model, HOROVOD_BASELINE, ", ".join(
+                "%s %.2fx" % v for v in vs)))
         lines.append("%-14s %-16s %9.3f   (dense bytes * W / S / rate)" % (model,
                                                                           "dense-pull floor",
                                                                           floor))
+        ring = report["models"][model].get("ring_allreduce_floor_s")
+        if ring is not None and any(m in HOROVOD_MODES for m in per_mode):
+            lines.append("%-14s %-16s %9.3f   (2 (W - 1) / W * dense bytes / rate)" % (
+                model, "ring floor", ring))
     return lines
 
 
@@ -472,6 +505,10 @@ def write_plot(report, path):
         floor = report["models"][m]["dense_pull_floor_s"]
         axes[0].plot([i - 0.45, i + 0.45], [floor, floor], "k--", lw=1,
                      label="dense-pull floor" if i == 0 else None)
+        ring = report["models"][m].get("ring_allreduce_floor_s")
+        if ring is not None and any(mode in HOROVOD_MODES for mode in modes):
+            axes[0].plot([i - 0.45, i + 0.45], [ring, ring], "k:", lw=1,
+                         label="ring-allreduce floor" if i == 0 else None)
     cfg = report["config"]
     for ax in axes:
         ax.set_xticks(range(len(models)))
@@ -637,6 +674,11 @@ def run_rate(args, rate, shapes=None, plot=None):
         if mode in modes and not hylo_available():
             skipped[mode] = "skipped: mxhylo.kvstore.transport_ps is not available in this build"
             notes.append(mode + " mode " + skipped[mode])
+    for mode in HOROVOD_MODES:
+        if mode in modes and not horovod_available():
+            skipped[mode] = ("skipped: horovod.mxnet is not installed (make setup builds it "
+                             "with MXNet and Gloo)")
+            notes.append(mode + " mode " + skipped[mode])
 
     if plot is None:
         plot = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
@@ -684,7 +726,13 @@ def run_rate(args, rate, shapes=None, plot=None):
             "%d processes (scheduler, %d servers, %d workers) share this machine's %s CPU "
             "cores: at high rates the CPU, not the link, is the limit"
             % (1 + S + W, S, W, os.cpu_count()),
-        ],
+        ] + ([
+            "Horovod modes (%s): %d worker processes, one per worker namespace, with "
+            "horovodrun's Gloo environment (ring allreduce/allgather over the same shaped "
+            "links), no servers; Horovod's rendezvous server runs in the scheduler's "
+            "namespace and is used only at hvd.init; ring floor = 2 (W - 1) / W * dense "
+            "bytes / rate" % (", ".join(m for m in modes if m in HOROVOD_MODES), W)]
+            if any(m in HOROVOD_MODES for m in modes) else []),
         "results": {},
     }
 
@@ -711,8 +759,10 @@ def run_rate(args, rate, shapes=None, plot=None):
                 config = dict(cfg, mode=mode, keys=[p["key"] for p in shapes[m]],
                               shapes=[p["shape"] for p in shapes[m]])
                 try:
-                    results, counters = run_job(topo, job_dir, config, port, timeout, WORKER,
-                                                worker_threads=0, marks=("start", "end"))
+                    results, counters = run_job(
+                        topo, job_dir, config, port, timeout, WORKER, worker_threads=0,
+                        marks=("start", "end"),
+                        launcher="horovod" if mode in HOROVOD_MODES else "ps")
                     per_mode[mode] = summarise_job(results, counters["start"],
                                                    counters["end"], timed_steps)
                     per_mode[mode]["job_seconds"] = time.monotonic() - t0

@@ -3,7 +3,9 @@
     python -m mxhylo.bench.comm_worker --config JOB.json --index I --out RESULT.json
 
 The process is an MXNet parameter-server worker (DMLC_ROLE=worker and the other DMLC_*
-variables come from the harness). It builds one model's parameter and gradient arrays
+variables come from the harness), or in the Horovod modes (horovod_dense,
+hylo_horovod) one of W Horovod processes with horovodrun's Gloo variables
+(mxhylo.bench.horovod_jobs). It builds one model's parameter and gradient arrays
 from the shapes in the config (gradients N(0, grad_scale), drawn once, seeded by
 the worker index; see synthetic_gradients), initialises the store the way Gluon's Trainer would, then times
 ``warmup + steps`` exchanges of all gradients. Before every exchange the workers meet
@@ -175,6 +177,50 @@ class HyloAutoMode(HyloMode):
     compress_pull = "auto"
 
 
+class HorovodDenseMode:
+    """horovod_dense: Horovod's own dense exchange, as hvd.DistributedTrainer runs it
+    (default num_groups=0): per gradient, in parameter order, ``hvd.allreduce_(grad,
+    average=True, name=str(index), priority=-index)`` in place, which Horovod's
+    background thread fuses into ring allreduces (tensor fusion). Init: rank 0's
+    parameters broadcast, as hvd.broadcast_parameters. W processes, no servers."""
+
+    def __init__(self, cfg):
+        from mxhylo.kvstore.transport_horovod import import_horovod
+        self.hvd = import_horovod()         # initialised; a clear error if missing
+
+    def init(self, keys, params):
+        for k, p in zip(keys, params):
+            self.hvd.broadcast_(p, root_rank=0, name="bench.init.%d" % k)
+
+    def step(self, keys, grads, outs):
+        # (in place in the gradients, as DistributedTrainer; ``outs`` stay unused)
+        for i, (k, g) in enumerate(zip(keys, grads)):
+            self.hvd.allreduce_(g, average=True, name=str(k), priority=-i)
+
+    @property
+    def rank(self):
+        return self.hvd.rank()
+
+    def stats(self):
+        return None
+
+
+class HyloHorovodMode(HyloMode):
+    """hylo_horovod: ``mxhylo.create('dist_sync_hylo', transport='horovod')`` with its
+    defaults (no compressed pull: the allgather returns every worker's own payload;
+    warmup_steps=0 as in the other hylo modes: the compressed exchange is measured):
+    dense layers by one grouped ring allreduce, compressed payloads by one grouped
+    allgather. W processes, no servers."""
+    compress_pull = "auto"
+
+    def __init__(self, cfg):
+        import mxhylo
+        options = dict(cfg.get("hylo_options") or {})
+        options.setdefault("warmup_steps", 0)
+        options.setdefault("transport", "horovod")
+        self.kv = mxhylo.create("dist_sync_hylo", **options)
+
+
 MODES = {
     "hylo_auto": HyloAutoMode,
     "dense_pushpull": DensePushPull,
@@ -184,6 +230,8 @@ MODES = {
     "hylo_pull": HyloPullMode,
     "hylo_gather": HyloGatherMode,
     "hylo_pull2bit": HyloPull2BitMode,
+    "horovod_dense": HorovodDenseMode,
+    "hylo_horovod": HyloHorovodMode,
 }
 
 
@@ -292,6 +340,9 @@ def serve(prog, description, run, argv=None):
     args = parser.parse_args(argv)
     with open(args.config) as f:
         cfg = json.load(f)
+    if cfg.get("rendezvous_ready"):       # a Horovod job: hvd.init needs the server up
+        from .horovod_jobs import wait_ready
+        wait_ready(cfg["rendezvous_ready"], float(cfg.get("barrier_timeout", 600)))
     result = run(cfg, args.index)
     with open(args.out + ".tmp", "w") as f:
         json.dump(result, f)

@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 
-from . import netns
+from . import horovod_jobs, netns
 from .. import launch, procs
 
 
@@ -108,19 +108,31 @@ def _tail(path, n=3000):
 
 
 def run_job(topo, job_dir, config, port, timeout, worker_module, worker_threads=1,
-            marks=()):
-    """One parameter-server job of ``worker_module`` workers (their settings in
-    ``config``, written to JOB_DIR/config.json); returns (worker results, {mark:
-    interface counters}). ``marks``: counter marks every run must have asked for."""
+            marks=(), launcher="ps"):
+    """One job of ``worker_module`` workers (their settings in ``config``, written to
+    JOB_DIR/config.json); returns (worker results, {mark: interface counters}).
+    ``marks``: counter marks every run must have asked for. ``launcher``: 'ps' (a
+    parameter-server job: scheduler, servers, workers) or 'horovod' (W workers with
+    horovodrun's Gloo environment and a rendezvous server, no servers:
+    mxhylo.bench.horovod_jobs); the workers find 'rendezvous_ready' in the config then."""
     W, S = config["num_workers"], config["num_servers"]
     sync_dir = os.path.join(job_dir, "sync")
     os.makedirs(sync_dir)
-    config = dict(config, sync_dir=sync_dir, barrier_timeout=timeout)
+    config = dict(config, sync_dir=sync_dir, barrier_timeout=timeout, launcher=launcher)
+    if launcher == "horovod":
+        config["rendezvous_ready"] = os.path.join(job_dir, horovod_jobs.READY_FILE)
+    elif launcher != "ps":
+        raise ValueError("launcher must be 'ps' or 'horovod', got %r" % (launcher,))
     config_path = os.path.join(job_dir, "config.json")
     with open(config_path, "w") as f:
         json.dump(config, f)
-    children = job_children(topo, W, S, port, config_path, job_dir, worker_module,
-                            worker_threads)
+    if launcher == "horovod":
+        children = horovod_jobs.job_children(
+            topo, W, port, config_path, job_dir, worker_module, worker_threads,
+            gloo_timeout_s=max(60, min(int(timeout), horovod_jobs.GLOO_TIMEOUT_S)))
+    else:
+        children = job_children(topo, W, S, port, config_path, job_dir, worker_module,
+                                worker_threads)
     log_path = os.path.join(job_dir, "job.log")
     with open(log_path, "w") as log:
         job = NetnsJob(children, topo, sync_dir, timeout=timeout, grace=5.0,

@@ -54,6 +54,7 @@ from . import netns
 from .comm import (ShapedRun, hylo_available, hylo_summary,
                    machine_info, model_summary, parse_hylo_options, parse_list, role_names,
                    shapes_in_subprocess, wire_summary)
+from .horovod_jobs import HOROVOD_MODES, horovod_available
 from .jobs import JobError, run_job
 from .train_worker import MODES
 from .. import launch
@@ -81,7 +82,11 @@ def add_arguments(parser):
                              "dense store with gluon.Trainer's defaults; "
                              "dist_sync_workerupdate = the same with update_on_kvstore="
                              "False; hylo_densepull = mxhylo.create('dist_sync_hylo', "
-                             "compress_pull=False); hylo = mxhylo.create('dist_sync_hylo')"
+                             "compress_pull=False); hylo = mxhylo.create('dist_sync_hylo'); "
+                             "horovod_dense = hvd.DistributedTrainer (Horovod's dense ring "
+                             "allreduce); hylo_horovod = mxhylo.create('dist_sync_hylo', "
+                             "transport='horovod'). The Horovod modes run W processes, one "
+                             "per worker namespace, and no servers"
                              % (", ".join(MODES), ",".join(DEFAULT_MODES)))
     parser.add_argument("--hylo-options", default="{}",
                         help="JSON dict of extra options for mxhylo.create in the hylo "
@@ -406,6 +411,12 @@ def format_speed_table(report):
                 _mb(wire.get("push_bytes_per_step")), _mb(wire.get("pull_bytes_per_step")),
                 "yes" if r.get("workers_identical") else "NO",
                 "%.2f" % (rss / 2.0 ** 30) if rss else "-"))
+        vs = [(mode, per_mode[mode].get("speedup_vs_horovod_dense"))
+              for mode in _ordered(report, per_mode) if mode != "horovod_dense"]
+        vs = [(mode, x) for mode, x in vs if x]
+        if vs:
+            lines.append("%-13s step speedup vs horovod_dense: %s" % (
+                model, ", ".join("%s %.2fx" % v for v in vs)))
     return lines
 
 
@@ -609,6 +620,9 @@ def run(args):
     modes = parsed["modes"]
     skipped = {m: "skipped: mxhylo.kvstore.transport_ps is not available in this build"
                for m in modes if m in HYLO_MODES and not hylo_available()}
+    skipped.update({m: "skipped: horovod.mxnet is not installed (make setup builds it with "
+                       "MXNet and Gloo)"
+                    for m in modes if m in HOROVOD_MODES and not horovod_available()})
     plot = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
     if args.cleanup_stale:
         for name in netns.stale_namespaces():
@@ -672,7 +686,14 @@ def _run_speed(args, parsed, common, report, topo, tmp, skipped):
         "wire bytes: interface counters (L2 frames incl. headers) over the %d timed "
         "exchanges, per exchange; push = workers' tx, pull = workers' rx" % (2 * args.steps),
         "%d processes share this machine's %s cores" % (1 + S + W, os.cpu_count()),
-    ]
+    ] + ([
+        "Horovod modes (%s): %d worker processes, one per worker namespace, with "
+        "horovodrun's Gloo environment (ring collectives over the same shaped links), no "
+        "servers; Horovod's rendezvous server runs in the scheduler's namespace (used at "
+        "hvd.init only); hvd.DistributedTrainer averages, so it is stepped with the "
+        "per-worker batch size (the same update as the summing stores with W times it)"
+        % (", ".join(m for m in parsed["modes"] if m in HOROVOD_MODES), W)]
+        if any(m in HOROVOD_MODES for m in parsed["modes"]) else [])
     report["results"], report["models"] = {}, {}
     failed = False
     _log("model shapes (gluoncv, one forward)...")
@@ -701,8 +722,9 @@ def _run_speed(args, parsed, common, report, topo, tmp, skipped):
             _log("%s / %s (time limit %.0f s)..." % (m, mode, timeout))
             t0 = time.monotonic()
             try:
-                results, counters = run_job(topo, job_dir, config, port, timeout, WORKER,
-                                            args.worker_threads)
+                results, counters = run_job(
+                    topo, job_dir, config, port, timeout, WORKER, args.worker_threads,
+                    launcher="horovod" if mode in HOROVOD_MODES else "ps")
                 r = per_mode[mode] = summarise_speed(results, counters.get("start"),
                                                      counters.get("end"), args.steps)
                 r["job_seconds"] = time.monotonic() - t0
@@ -715,6 +737,8 @@ def _run_speed(args, parsed, common, report, topo, tmp, skipped):
                 _log("  FAILED: %s\n%s" % (err, err.log_tail[-1500:]))
             port += 1
         add_speedups(per_mode)
+        if "horovod_dense" in per_mode:
+            add_speedups(per_mode, "horovod_dense")
     report["table"] = format_speed_table(report)
     return failed
 
@@ -771,8 +795,9 @@ def _run_tta(args, parsed, common, report, topo, tmp, skipped):
             _log("tta %s seed %d (time limit %.0f s)..." % (mode, seed, timeout))
             t0 = time.monotonic()
             try:
-                results, counters = run_job(topo, job_dir, config, port, timeout, WORKER,
-                                            args.worker_threads)
+                results, counters = run_job(
+                    topo, job_dir, config, port, timeout, WORKER, args.worker_threads,
+                    launcher="horovod" if mode in HOROVOD_MODES else "ps")
                 r = summarise_tta_run(results, args.target, counters.get("start"),
                                       counters.get("end"))
                 r["job_seconds"] = time.monotonic() - t0

@@ -3,7 +3,8 @@
     python -m mxhylo.bench.train_worker --config JOB.json --index I --out RESULT.json
 
 The process is an MXNet parameter-server worker (the DMLC_* variables come from the
-harness). It trains a gluoncv model with ``gluon.Trainer`` (SGD, momentum) through the
+harness), or in the Horovod modes (horovod_dense, hylo_horovod) one of W Horovod
+processes with horovodrun's Gloo variables (mxhylo.bench.horovod_jobs). It trains a gluoncv model with ``gluon.Trainer`` (SGD, momentum) through the
 kvstore of its mode (:data:`MODES`) and writes what it measured as JSON. Two tasks:
 
 ``speed`` (``config['task']``): synthetic batches (one fixed random batch per worker),
@@ -54,11 +55,21 @@ from .comm_worker import FileSync, _jsonable, serve
 
 class Mode:
     """How a mode builds its kvstore. ``kvstore(cfg)`` returns (kvstore object,
-    update_on_kvstore for gluon.Trainer: None = Gluon's default for that store)."""
+    update_on_kvstore for gluon.Trainer: None = Gluon's default for that store).
+    ``trainer(cfg, params, optimizer_params)`` returns (store, trainer); the store
+    answers rank, num_workers and, for hylo, stats(); ``batch_workers`` of the store
+    (default num_workers) is the factor of the batch size passed to trainer.step (the
+    stores sum the workers' gradients; Horovod's DistributedTrainer averages them)."""
     description = ""
 
     def kvstore(self, cfg):
         raise NotImplementedError
+
+    def trainer(self, cfg, params, optimizer_params):
+        import mxnet as mx
+        kv, update_on_kvstore = self.kvstore(cfg)
+        return kv, mx.gluon.Trainer(params, "sgd", optimizer_params, kvstore=kv,
+                                    update_on_kvstore=update_on_kvstore)
 
 
 class DistSync(Mode):
@@ -97,11 +108,45 @@ class HyloDensePull(HyloMode):
     description = "mxhylo.create('dist_sync_hylo', compress_pull=False): Hylo as published"
 
 
+class HorovodStore:
+    """What the benchmark asks of a store, for hvd.DistributedTrainer (which has none):
+    rank, num_workers; batch_workers 1 (the trainer averages: step(batch_size) gives
+    the mean over the global batch, as step(batch_size * W) does with a summing
+    store)."""
+    batch_workers = 1
+
+    def __init__(self, hvd):
+        self.rank, self.num_workers = hvd.rank(), hvd.size()
+
+
+class HorovodDense(Mode):
+    """Horovod's dense ring allreduce: hvd.broadcast_parameters then
+    hvd.DistributedTrainer (its defaults: per-gradient allreduce, averaged, fused by
+    Horovod; the update on the workers), what a Horovod user runs today."""
+    description = ("hvd.DistributedTrainer, dense ring allreduce (Gloo), update on the "
+                   "workers; W processes, no servers")
+
+    def trainer(self, cfg, params, optimizer_params):
+        from mxhylo.kvstore.transport_horovod import import_horovod
+        hvd = import_horovod()
+        hvd.broadcast_parameters(params, root_rank=0)
+        return HorovodStore(hvd), hvd.DistributedTrainer(params, "sgd", optimizer_params)
+
+
+class HyloHorovod(HyloMode):
+    options = {"transport": "horovod"}
+    description = ("mxhylo.create('dist_sync_hylo', transport='horovod') with its "
+                   "defaults: dense layers by ring allreduce, compressed by allgather; "
+                   "W processes, no servers")
+
+
 MODES = {
     "dist_sync": DistSync,
     "dist_sync_workerupdate": DistSyncWorkerUpdate,
     "hylo_densepull": HyloDensePull,
     "hylo": HyloMode,
+    "horovod_dense": HorovodDense,
+    "hylo_horovod": HyloHorovod,
 }
 
 
@@ -144,16 +189,18 @@ def make_trainer(cfg, net, lr, lr_scheduler=None):
     ``lr_scheduler`` of the optimizer: with the update on the servers (dist_sync's Gluon
     default) the servers run their own pickled copy of the optimizer, and
     Trainer.set_learning_rate would only change the workers' unused copy."""
-    import mxnet as mx
-    kv, update_on_kvstore = MODES[cfg["mode"]]().kvstore(cfg)
     params = {"momentum": cfg["momentum"], "wd": cfg["wd"]}
     if lr_scheduler is not None:
         params["lr_scheduler"] = lr_scheduler
     else:
         params["learning_rate"] = lr
-    trainer = mx.gluon.Trainer(net.collect_params(), "sgd", params,
-                               kvstore=kv, update_on_kvstore=update_on_kvstore)
-    return kv, trainer
+    return MODES[cfg["mode"]]().trainer(cfg, net.collect_params(), params)
+
+
+def batch_workers(kv):
+    """The factor of the per-worker batch size for trainer.step: W for the summing
+    stores, 1 for Horovod's averaging DistributedTrainer (HorovodStore)."""
+    return int(getattr(kv, "batch_workers", None) or kv.num_workers)
 
 
 def store_warmup_exchanges(kv):
@@ -199,7 +246,7 @@ def run_speed(cfg, index):
     mx.nd.waitall()
     kv, trainer = make_trainer(cfg, net, cfg["lr"])
     # the stores sum the workers' gradients: normalise by the global batch
-    global_batch = B * int(kv.num_workers)
+    global_batch = B * batch_workers(kv)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     setup_s = time.perf_counter() - t_begin
 
@@ -333,7 +380,7 @@ def run_tta(cfg, index):
             with autograd.record():
                 loss = loss_fn(net(data[0]), label[0])
             loss.backward()
-            trainer.step(B * W)
+            trainer.step(B * batch_workers(kv))
             step += 1
         mx.nd.waitall()
         train_s += time.perf_counter() - t0

@@ -1,0 +1,249 @@
+"""Horovod as a measured peer in bench comm and bench train (mxhylo.bench.horovod_jobs):
+the environment each worker gets (against horovodrun's own slot assignment), the
+children of a job, the rendezvous server, the modes and report maths; as root, one
+tiny real bench comm run with dense_pushpull, horovod_dense and hylo_horovod."""
+import argparse
+import os
+import threading
+import time
+
+import pytest
+
+from mxhylo.bench import comm, comm_worker, horovod_jobs, jobs, netns, train, train_worker
+
+needs_horovod = pytest.mark.skipif(not horovod_jobs.horovod_available(),
+                                   reason="horovod.mxnet is not installed")
+
+
+# ----------------------------------------------------------------------------- environment
+
+def _horovods_own(hosts_arg, num_proc):
+    """horovodrun's per-process variables, by horovod itself."""
+    from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+    from horovod.runner.gloo_run import create_slot_env_vars
+    return [create_slot_env_vars(s) for s in get_host_assignments(parse_hosts(hosts_arg),
+                                                                  num_proc)]
+
+
+@needs_horovod
+@pytest.mark.parametrize("hosts", [
+    ["10.203.0.4", "10.203.0.5", "10.203.0.6", "10.203.0.7"],     # the bench: 1 slot each
+    ["a", "a", "b"], ["a", "b", "b", "b", "c", "c"], ["solo"]])
+def test_slot_env_is_horovodruns(hosts):
+    ours = [horovod_jobs.slot_env(r, hosts) for r in range(len(hosts))]
+    theirs = _horovods_own(horovod_jobs.hosts_arg(hosts), len(hosts))
+    assert ours == [{k: str(v) for k, v in t.items()} for t in theirs]
+
+
+def test_slot_env_of_the_bench_one_host_per_worker_namespace():
+    topo = netns.Topology(comm.role_names(4, 2), 1e9)
+    hosts = horovod_jobs.worker_hosts(topo, 4)
+    assert hosts == [topo.addr("worker%d" % i) for i in range(4)]
+    assert len(set(hosts)) == 4 and topo.addr("scheduler") not in hosts
+    for rank in range(4):
+        env = horovod_jobs.slot_env(rank, hosts)
+        assert env == {"HOROVOD_HOSTNAME": hosts[rank], "HOROVOD_RANK": str(rank),
+                       "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "0",
+                       "HOROVOD_LOCAL_SIZE": "1", "HOROVOD_CROSS_RANK": str(rank),
+                       "HOROVOD_CROSS_SIZE": "4"}
+    with pytest.raises(ValueError):
+        horovod_jobs.slot_env(4, hosts)
+    with pytest.raises(ValueError, match="consecutive"):
+        horovod_jobs.slot_env(0, ["a", "b", "a"])
+
+
+def test_run_env_is_horovodrun_glooss():
+    env = horovod_jobs.run_env("10.203.0.1", 10091, "eth0", 120)
+    assert env == {"HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.203.0.1",
+                   "HOROVOD_GLOO_RENDEZVOUS_PORT": "10091", "HOROVOD_CONTROLLER": "gloo",
+                   "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": "eth0",
+                   "HOROVOD_GLOO_TIMEOUT_SECONDS": "120"}
+
+
+@needs_horovod
+def test_run_env_has_every_variable_horovodrun_sets_but_nccl():
+    from horovod.runner.gloo_run import create_run_env_vars
+    theirs = create_run_env_vars("10.203.0.1", {"eth0": None}, 10091)
+    ours = horovod_jobs.run_env("10.203.0.1", 10091)
+    for k, v in theirs.items():
+        if k != "NCCL_SOCKET_IFNAME":          # no GPUs
+            assert ours[k] == str(v), k
+
+
+def test_base_env_drops_ps_lite_and_inherited_horovod():
+    env = horovod_jobs.base_env({"PATH": "/bin", "DMLC_ROLE": "worker", "PS_VERBOSE": "1",
+                                 "HOROVOD_RANK": "3", "HOROVOD_SIZE": "8", "OMP_X": "1"})
+    assert env == {"PATH": "/bin", "OMP_X": "1"}
+
+
+def test_job_children_one_worker_per_namespace_and_the_rendezvous(tmp_path, monkeypatch):
+    monkeypatch.setenv("DMLC_ROLE", "server")
+    monkeypatch.setenv("HOROVOD_RANK", "7")
+    W = 3
+    topo = netns.Topology(comm.role_names(W, 2), 1e9)
+    children = horovod_jobs.job_children(topo, W, 9095, "/c.json", str(tmp_path),
+                                         "mxhylo.bench.comm_worker", worker_threads=1,
+                                         python="/py", gloo_timeout_s=77)
+    assert [c.name for c in children] == ["rendezvous", "worker 0", "worker 1", "worker 2"]
+    assert [c.role for c in children] == ["scheduler", "worker", "worker", "worker"]
+    rv, workers = children[0], children[1:]
+    # the server: in the scheduler's namespace, horovod's port, the workers' hosts
+    assert rv.argv[:4] == ["ip", "netns", "exec", topo.ns("scheduler")]
+    assert rv.argv[4:6] == ["/py", "-I"]
+    assert rv.argv[6] == os.path.abspath(horovod_jobs.__file__).replace(".pyc", ".py")
+    args = rv.argv[7:]
+    port = int(args[args.index("--port") + 1])
+    assert port == 9095 + horovod_jobs.RENDEZVOUS_PORT_OFFSET
+    assert args[args.index("--hosts") + 1].split(",") == [topo.addr("worker%d" % i)
+                                                          for i in range(W)]
+    assert args[args.index("--ready") + 1] == str(tmp_path / horovod_jobs.READY_FILE)
+    until = args[args.index("--until") + 1:]
+    assert until == [str(tmp_path / ("worker%d.json" % i)) for i in range(W)]
+    for i, c in enumerate(workers):
+        assert c.argv[:4] == ["ip", "netns", "exec", topo.ns("worker%d" % i)]
+        assert c.argv[4:] == ["/py", "-m", "mxhylo.bench.comm_worker", "--config", "/c.json",
+                              "--index", str(i), "--out", until[i]]
+        env = c.env
+        assert not any(k.startswith(("DMLC_", "PS_")) for k in env)
+        assert env["HOROVOD_RANK"] == str(i) and env["HOROVOD_SIZE"] == str(W)
+        assert env["HOROVOD_HOSTNAME"] == topo.addr("worker%d" % i)
+        assert env["HOROVOD_CROSS_RANK"] == str(i) and env["HOROVOD_LOCAL_SIZE"] == "1"
+        assert env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == topo.addr("scheduler")
+        assert env["HOROVOD_GLOO_RENDEZVOUS_PORT"] == str(port)
+        assert env["HOROVOD_GLOO_IFACE"] == netns.DEV
+        assert env["HOROVOD_GLOO_TIMEOUT_SECONDS"] == "77"
+        assert env["HOROVOD_CONTROLLER"] == env["HOROVOD_CPU_OPERATIONS"] == "gloo"
+        assert env["OMP_NUM_THREADS"] == "1"
+    # no server and no ps-lite scheduler in these modes
+    assert not any("import mxnet" in " ".join(c.argv) for c in children)
+    # mxhylo's own launcher check: the hub's routes do not reach the host namespace,
+    # so the rendezvous address must be one of the topology's, never the host's
+    assert not topo.addr("scheduler").startswith("127.")
+
+
+def test_run_job_rejects_an_unknown_launcher(tmp_path):
+    topo = netns.Topology(comm.role_names(2, 1), 1e9)
+    with pytest.raises(ValueError, match="launcher"):
+        jobs.run_job(topo, str(tmp_path), {"num_workers": 2, "num_servers": 1}, 9091, 10,
+                     "x", launcher="mpi")
+
+
+@needs_horovod
+def test_rendezvous_server_serves_and_leaves_when_the_workers_are_done(tmp_path):
+    import socket
+    from horovod.runner.http.http_client import put_data_into_kvstore, read_data_from_kvstore
+    with socket.socket() as s:              # a free port on loopback
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    ready, outs = str(tmp_path / "ready"), [str(tmp_path / "w0"), str(tmp_path / "w1")]
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault(
+        "code", horovod_jobs.serve_rendezvous(port, ["h0", "h1"], ready, outs, timeout=60,
+                                              poll=0.01)))
+    t.start()
+    try:
+        horovod_jobs.wait_ready(ready, 20)
+        put_data_into_kvstore("127.0.0.1", port, "global", "0", {"x": 1})
+        assert read_data_from_kvstore("127.0.0.1", port, "global", "0") == {"x": 1}
+        open(outs[0], "w").close()
+        time.sleep(0.2)
+        assert t.is_alive()                 # one worker still running
+        open(outs[1], "w").close()
+        t.join(20)
+        assert not t.is_alive() and result["code"] == 0
+    finally:
+        for p in outs:
+            open(p, "a").close()
+        t.join(20)
+
+
+def test_wait_ready_times_out_clearly(tmp_path):
+    with pytest.raises(TimeoutError, match="rendezvous"):
+        horovod_jobs.wait_ready(str(tmp_path / "never"), 0.05)
+
+
+# ----------------------------------------------------------------------------- modes
+
+def test_modes_in_both_benchmarks():
+    for mode in ("horovod_dense", "hylo_horovod"):
+        assert mode in comm.ALL_MODES and mode in comm_worker.MODES
+        assert mode in train_worker.MODES and train_worker.MODES[mode].description
+    assert train_worker.HyloHorovod.options == {"transport": "horovod"}
+    assert comm_worker.HyloHorovodMode.compress_pull == "auto"
+
+
+def test_distributed_trainer_averages_so_it_steps_with_the_worker_batch():
+    class Summing:
+        num_workers = 4
+    assert train_worker.batch_workers(Summing()) == 4
+
+    class FakeHvd:
+        def rank(self):
+            return 2
+
+        def size(self):
+            return 4
+    store = train_worker.HorovodStore(FakeHvd())
+    assert (store.rank, store.num_workers) == (2, 4)
+    assert train_worker.batch_workers(store) == 1
+    assert train_worker.store_warmup_exchanges(store) == 0
+    assert train_worker.exchanges_done(store) == 0
+
+
+def test_ring_floor_and_speedups_vs_horovod():
+    assert comm.ring_allreduce_floor(1e8, 4, 1e9) == pytest.approx(1.5 * 0.8)
+    s = comm.model_summary([{"name": "w", "shape": [1000, 1000]}], 4, 2, 1e9)
+    assert s["ring_allreduce_floor_s"] == pytest.approx(1.5 * 4e6 * 8 / 1e9)
+    res = {"dense_pushpull": {"seconds": 2.0}, "horovod_dense": {"seconds": 1.0},
+           "hylo_horovod": {"seconds": 0.5}}
+    comm.add_speedups(res, 1.0)
+    assert res["hylo_horovod"]["speedup_vs_horovod_dense"] == pytest.approx(2.0)
+    assert res["hylo_horovod"]["speedup_vs_dense_pushpull"] == pytest.approx(4.0)
+    assert res["horovod_dense"]["speedup_vs_dense_pushpull"] == pytest.approx(2.0)
+    per_mode = {"dist_sync": {"status": "ok", "step_s": 3.0},
+                "horovod_dense": {"status": "ok", "step_s": 2.0},
+                "hylo_horovod": {"status": "ok", "step_s": 1.6}}
+    train.add_speedups(per_mode, "horovod_dense")
+    assert per_mode["hylo_horovod"]["speedup_vs_horovod_dense"] == pytest.approx(1.25)
+
+
+# ----------------------------------------------------------------------------- as root
+
+needs_netns = pytest.mark.skipif(not netns.namespaces_usable(),
+                                 reason="needs root and iproute2 to create network namespaces")
+
+
+@needs_netns
+@needs_horovod
+def test_tiny_comm_run_with_horovod_modes(tmp_path):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    comm.add_arguments(parser)
+    args = parser.parse_args([
+        "-n", "2", "-s", "1", "--rate", "1gbit", "--models", "cifar_resnet20_v1",
+        "--image-size", "32", "--modes", "dense_pushpull,horovod_dense,hylo_horovod",
+        "--steps", "3", "--timeout", "120", "--json", str(tmp_path / "comm.json")])
+    report = comm.run(args)
+    assert netns.own_namespaces("mxhcomm%d-" % os.getpid()) == []
+    res = report["results"]["cifar_resnet20_v1"]
+    dense_bytes = report["models"]["cifar_resnet20_v1"]["dense_bytes"]
+    for mode in ("dense_pushpull", "horovod_dense", "hylo_horovod"):
+        assert res[mode]["status"] == "ok", res[mode].get("log_tail", res[mode]["status"])
+        assert res[mode]["seconds"] > 0 and len(res[mode]["seconds_steps"]) == 2
+    # the ring over the shaped links: with 2 workers each sends (and receives) the
+    # model once per step (reduce-scatter + allgather of halves), plus headers and
+    # Horovod's negotiation
+    ring = res["horovod_dense"]["wire"]
+    assert 2 * dense_bytes <= ring["push_bytes_per_step"] < 2.4 * dense_bytes
+    assert 2 * dense_bytes <= ring["pull_bytes_per_step"] < 2.4 * dense_bytes
+    # no servers in these modes: nothing but stray link-local chatter (IPv6 neighbour
+    # discovery through the bridge) reaches the servers' namespaces
+    assert ring["server_rx_bytes_per_step"] < 2000
+    hy = res["hylo_horovod"]
+    assert hy["wire"]["push_bytes_per_step"] < 0.8 * ring["push_bytes_per_step"]
+    assert hy["wire"]["server_rx_bytes_per_step"] < 2000
+    stats = hy["hylo"]["worker0_stats"]
+    assert any(l.get("policy") in ("conv_topk", "fc_2bit")
+               for l in (stats.get("layers") or {}).values()), stats
+    assert "speedup_vs_horovod_dense" in hy
+    assert (tmp_path / "comm.png").exists()
