@@ -101,7 +101,8 @@ def test_job_children_one_worker_per_namespace_and_the_rendezvous(tmp_path, monk
     assert until == [str(tmp_path / ("worker%d.json" % i)) for i in range(W)]
     for i, c in enumerate(workers):
         assert c.argv[:4] == ["ip", "netns", "exec", topo.ns("worker%d" % i)]
-        assert c.argv[4:] == ["/py", "-m", "mxhylo.bench.comm_worker", "--config", "/c.json",
+        assert c.argv[4:8] == ["unshare", "--uts", "--", "/py"]   # own host name
+        assert c.argv[7:] == ["/py", "-m", "mxhylo.bench.comm_worker", "--config", "/c.json",
                               "--index", str(i), "--out", until[i]]
         env = c.env
         assert not any(k.startswith(("DMLC_", "PS_")) for k in env)

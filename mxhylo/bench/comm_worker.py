@@ -341,7 +341,8 @@ def serve(prog, description, run, argv=None):
     with open(args.config) as f:
         cfg = json.load(f)
     if cfg.get("rendezvous_ready"):       # a Horovod job: hvd.init needs the server up
-        from .horovod_jobs import wait_ready
+        from .horovod_jobs import own_hostname, wait_ready
+        own_hostname()
         wait_ready(cfg["rendezvous_ready"], float(cfg.get("barrier_timeout", 600)))
     result = run(cfg, args.index)
     with open(args.out + ".tmp", "w") as f:

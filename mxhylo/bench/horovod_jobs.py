@@ -133,9 +133,21 @@ def job_children(topo, num_workers, port, config_path, job_dir, worker_module,
             env["OMP_NUM_THREADS"] = str(worker_threads)
         program = [python, "-m", worker_module, "--config", config_path, "--index", str(i),
                    "--out", outs[i]]
-        children.append(procs.Child("worker %d" % i, "worker",
-                                    topo.exec_prefix("worker%d" % i) + program, env))
+        # its own UTS namespace: the worker names itself HOROVOD_HOSTNAME (own_hostname)
+        children.append(procs.Child("worker %d" % i, "worker", topo.exec_prefix(
+            "worker%d" % i) + ["unshare", "--uts", "--"] + program, env))
     return children
+
+
+def own_hostname(environ=None):
+    """In a worker (own UTS namespace, see job_children): set the host name to
+    HOROVOD_HOSTNAME, its namespace's address. Horovod 0.28 builds its process-set
+    Gloo context on a device found from the machine's host name, not from
+    HOROVOD_GLOO_IFACE: with the machine's name it resolves to 127.0.0.1 and the
+    workers, each behind its own loopback, cannot connect (seen here)."""
+    import socket
+    env = os.environ if environ is None else environ
+    socket.sethostname(env["HOROVOD_HOSTNAME"])
 
 
 def wait_ready(path, timeout, poll=0.01):
