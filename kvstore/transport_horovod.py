@@ -136,7 +136,10 @@ class HorovodTransport(Transport):
 
     def broadcast(self, layer, value, outs):
         """Rank 0's ``value`` into every array of ``outs`` (Horovod's broadcast)."""
-        result = self.hvd.broadcast(value, root_rank=0,
+        # A copy: Horovod's MXNet ops cannot read an array in oneDNN's layout ("We can't
+        # generate TBlob for MKLDNN data"), which a weight is after a forward outside
+        # autograd.record() (oneDNN reorders it in place); a copy is in the default one.
+        result = self.hvd.broadcast(value.copy(), root_rank=0,
                                     name="hylo.broadcast." + layer.plan.name)
         for out in outs:
             if out.dtype == result.dtype:

@@ -242,7 +242,11 @@ def run_speed(cfg, index):
     rng = np.random.RandomState(cfg["seed"] * 1000 + index)
     data = mx.nd.array(rng.uniform(-1, 1, size=(B, 3, S, S)).astype(np.float32))
     label = mx.nd.array(rng.randint(0, C, size=(B,)).astype(np.float32))
-    net(data)                                   # deferred initialisation
+    # deferred initialisation, in training mode: an inference forward would leave the
+    # conv weights in oneDNN's own layout, which Horovod's MXNet ops cannot read
+    # ("We can't generate TBlob for MKLDNN data")
+    with autograd.train_mode():
+        net(data)
     mx.nd.waitall()
     kv, trainer = make_trainer(cfg, net, cfg["lr"])
     # the stores sum the workers' gradients: normalise by the global batch
