@@ -3,6 +3,7 @@
 (kvstore.wire) and the traffic formulas against numpy and a step-by-step ring."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -169,7 +170,13 @@ def horovodrun(mode, out_dir, timeout=120, prefix=()):
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail("horovodrun %s timed out after %d s:\n%s" % (mode, timeout, out[-4000:]))
-    assert proc.returncode == 0, out[-4000:]
+    if proc.returncode != 0:
+        # every rank's first error lines, then the tail (a rank that aborts first is
+        # otherwise hidden behind the others' "Horovod has been shut down")
+        errors = [line for line in out.splitlines() if re.search(
+            r"terminate|what\(\)|Error|error|Abort|enforce|Traceback", line)]
+        pytest.fail("horovodrun %s exited with %d; error lines:\n%s\n--- tail:\n%s"
+                    % (mode, proc.returncode, "\n".join(errors[:40]), out[-3000:]))
     assert _processes_mentioning(str(out_dir)) == [], "processes of the job outlived it"
     return out
 
