@@ -8,6 +8,9 @@ MODE:
         'auto': horovodrun's environment picks 'horovod'), momentum SGD, two warm-up
         steps (dense) then compressed ones. Writes OUT_DIR/hylo-<rank>.npz (the
         parameters) and OUT_DIR/hylo-<rank>.json (kv.stats()).
+  lars  the hylo mode's net and store under mxhylo.LARSTrainer (dynamic loss scaling:
+        the store sums scaled gradients, the trainer unscales): writes
+        OUT_DIR/lars-<rank>.npz and OUT_DIR/lars-<rank>.json (kv.stats(), loss scale).
   run   (under python -m mxhylo.run) a Trainer created without a kvstore: writes
         OUT_DIR/run-<rank>.npz and .json (the job store's type and transport).
   none  the same net twice from the same initial values: once with hylo and
@@ -64,9 +67,10 @@ def broadcast_now(trainer):
 
 def train(net, trainer, rank, batch_scale):
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    scale = getattr(trainer, "scale_loss", lambda loss: loss)     # LARSTrainer's
     for x, y in batches(rank):
         with autograd.record():
-            loss = loss_fn(net(x), y)
+            loss = scale(loss_fn(net(x), y))
         loss.backward()
         trainer.step(BATCH * batch_scale)
     mx.nd.waitall()
@@ -99,6 +103,19 @@ def main(mode, out_dir):
         stats = kv.stats()
         stats["shared"] = kv.transport.share_from_rank0(np.arange(3) + 10 * rank).tolist()
         with open(os.path.join(out_dir, "hylo-%d.json" % rank), "w") as f:
+            json.dump(stats, f)
+    elif mode == "lars":
+        from mxhylo.lars import LARSTrainer
+        net = build_net(seed=rank)
+        kv = mxhylo.create(warmup_steps=2)
+        trainer = LARSTrainer(net.collect_params(), learning_rate=0.1, kvstore=kv,
+                              schedule="constant")
+        broadcast_now(trainer)
+        train(net, trainer, rank, size)
+        np.savez(os.path.join(out_dir, "lars-%d.npz" % rank), **params_of(net))
+        stats = kv.stats()
+        stats["loss_scale"] = trainer.loss_scale
+        with open(os.path.join(out_dir, "lars-%d.json" % rank), "w") as f:
             json.dump(stats, f)
     elif mode == "none":
         net = build_net(seed=rank)

@@ -204,6 +204,25 @@ def test_hylo_over_horovod_keeps_workers_bitwise_identical(tmp_path):
             assert entry["bytes_pushed"] < 0.5 * entry["dense_bytes"]
 
 
+def test_lars_trainer_over_horovod_keeps_workers_bitwise_identical(tmp_path):
+    """LARSTrainer (dynamic loss scaling, no momentum correction: LARS is not MXNet's
+    SGD) with the hylo store over Horovod: compressed steps, workers bitwise equal,
+    and the parameters moved from rank 0's initial values."""
+    horovodrun("lars", tmp_path)
+    a, b = (np.load(tmp_path / ("lars-%d.npz" % r)) for r in (0, 1))
+    assert sorted(a.files) == sorted(b.files) and len(a.files) == 8
+    for name in a.files:
+        assert np.isfinite(a[name]).all(), name
+        assert np.array_equal(a[name], b[name]), name
+    stats = [json.load(open(tmp_path / ("lars-%d.json" % r))) for r in (0, 1)]
+    assert stats[0]["loss_scale"] == stats[1]["loss_scale"] > 1
+    assert stats[0]["options"]["momentum_correction"] == "auto"
+    compressed = [v for v in stats[0]["layers"].values() if v["policy"] != "none"]
+    assert len(compressed) == 2
+    for entry in compressed:                    # 3 compressed steps of 5
+        assert entry["bytes_pushed"] < 0.5 * entry["dense_bytes"]
+
+
 def test_uncompressed_hylo_over_horovod_equals_distributed_trainer(tmp_path):
     horovodrun("none", tmp_path)
     runs = [np.load(tmp_path / ("none-%d.npz" % r)) for r in (0, 1)]
