@@ -14,6 +14,13 @@ The rule (Hylo):
   a 256x larger one 2.5%, never fewer than 1% (defaults). The fourth root keeps big
   layers from being starved: their filters still come round within a few dozen steps.
   ``conv_rate`` fixes the rate instead.
+  Unless ``conv_rate`` is given, a conv layer whose k filters would take at least the
+  bytes of 2 bits per element (rate >= about 1/16: layers up to about 54 K elements
+  with the defaults) goes ``fc_2bit`` instead: for no more bytes, 2 bits send part of
+  every element every step, where top-k leaves most filters waiting 10-16 steps in
+  the residual. Measured on the accuracy study's conv nets (resnet20, conv_net), that
+  wait is what made compressed training slower per step than dense (README,
+  "Accuracy").
 * 2-D weight (out, in), a fully connected layer -> ``fc_2bit``: every element is sent
   as one of {-t, 0, +t}; the threshold adapts to the size of that layer's values,
 
@@ -124,11 +131,21 @@ class LayerPolicy:
             strategy = "none"
         elif len(shape) == 4:
             strategy = "conv_topk"
+            if self.conv_rate is None and self._two_bits_cost_no_more(name, shape):
+                strategy = "fc_2bit"
         elif len(shape) == 2:
             strategy = "fc_2bit"
         else:
             strategy = "none"
         return self._make(name, shape, strategy, forced=False)
+
+    def _two_bits_cost_no_more(self, name, shape):
+        """Whether fc_2bit's payload of a conv weight is no larger than conv_topk's at
+        the layer's adaptive rate (the codecs' own byte counts)."""
+        from .compressors import ConvTopK, TwoBit
+        topk = self._make(name, shape, "conv_topk", forced=False)
+        return (TwoBit(self.threshold_scale).payload_nbytes(topk)
+                <= ConvTopK().payload_nbytes(topk))
 
     def plan_as(self, name, shape, strategy):
         """The LayerPlan of ``name`` with ``shape`` under ``strategy``, as an override
