@@ -33,8 +33,10 @@ mode, out = sys.argv[1], sys.argv[2]
 
 def compressed_pull(pull_mode):
     """Random gradients, 4 steps; checkpoint; 2 steps (A); restore; the same 2 (B)."""
+    # 'conv' (9216 elements) forced to top-k (the rule would send it 2-bit: DIST_POLICY
+    # of tests/test_pull.py)
     kv = mxhylo.create("dist_sync_hylo", compress_pull=pull_mode, chunk_elements=4096,
-                       split_elements=8192, warmup_steps=0)
+                       split_elements=8192, warmup_steps=0, policy={"^conv$": "conv_topk"})
     shapes = {"conv": (64, 16, 3, 3), "fc": (96, 200), "fc_odd": (50, 333),
               "bias": (10,), "conv_small": (8, 4, 1, 1)}
     keys = sorted(shapes)

@@ -707,6 +707,7 @@ def launch_keys_worker(tmp_path, mode, timeout=120):
 DIST_SHAPES = {"conv": (64, 16, 3, 3), "fc": (96, 200), "fc_odd": (50, 333),
                "bias": (10,), "conv_small": (8, 4, 1, 1)}
 DIST_COMPRESSED = ("conv", "fc", "fc_odd")
+DIST_POLICY = {"^conv$": "conv_topk"}       # the rule would send 'conv' 2-bit
 
 
 # sha256 of rank 0's results (dist_keys_worker.py pull:MODE: every output, the sums, the
@@ -776,7 +777,7 @@ def test_distributed_compressed_pull(tmp_path, mode):
             total = total + server
         np.testing.assert_allclose(total, sent, rtol=0, atol=1e-6, err_msg=name)
     # what came back is really compressed, chunk by chunk as the servers encode it
-    policy = LayerPolicy()
+    policy = LayerPolicy(policy=DIST_POLICY)
     for name in DIST_COMPRESSED:
         plan = policy.plan(name, DIST_SHAPES[name])
         chunks = plan_chunks(plan.strategy, plan.shape, 2, 2, 4096, 8192,
