@@ -181,7 +181,8 @@ def trainer_order(how):
             gluon.nn.Dense(64, in_units=32 * 36, activation="relu"),   # fc_2bit
             gluon.nn.Dense(10, in_units=64))                            # small: fused
     net.initialize(mx.init.Xavier())
-    kv = mxhylo.create("dist_sync_hylo", warmup_steps=0, size_threshold=1024)
+    # (a fixed conv_rate: the adaptive rule would send this small conv 2-bit)
+    kv = mxhylo.create("dist_sync_hylo", warmup_steps=0, size_threshold=1024, conv_rate=0.1)
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
                             kvstore=kv)
     rng = np.random.RandomState(400 + kv.rank)

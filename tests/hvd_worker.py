@@ -35,7 +35,8 @@ STEPS = 5
 
 
 def build_net(seed):
-    """Conv 3->16 (432 elements: 'none'), conv 16->64 3x3 (9216: conv_topk), dense
+    """Conv 3->16 (432 elements: 'none'), conv 16->64 3x3 (9216: conv_topk with a fixed
+    conv_rate; the adaptive rule would send it 2-bit), dense
     64->160 (10240: fc_2bit), dense 160->10 (1600: 'none'); kvstore.policy's default
     size threshold is 8192 elements."""
     net = gluon.nn.HybridSequential()
@@ -93,7 +94,7 @@ def main(mode, out_dir):
         # the conv weights in its own layout, which Horovod's ops cannot read (the
         # transport broadcasts copies)
         net(mx.nd.ones((1, 3, 10, 10))).wait_to_read()
-        kv = mxhylo.create(warmup_steps=2)
+        kv = mxhylo.create(warmup_steps=2, conv_rate=0.1)   # conv: top-k
         assert type(kv.transport).__name__ == "HorovodTransport", kv.transport
         assert (kv.rank, kv.num_workers) == (rank, size)
         trainer = gluon.Trainer(net.collect_params(), "sgd", opt, kvstore=kv)
@@ -107,7 +108,7 @@ def main(mode, out_dir):
     elif mode == "lars":
         from mxhylo.lars import LARSTrainer
         net = build_net(seed=rank)
-        kv = mxhylo.create(warmup_steps=2)
+        kv = mxhylo.create(warmup_steps=2, conv_rate=0.1)   # conv: top-k
         trainer = LARSTrainer(net.collect_params(), learning_rate=0.1, kvstore=kv,
                               schedule="constant")
         broadcast_now(trainer)
