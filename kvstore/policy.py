@@ -18,8 +18,8 @@ The rule (Hylo):
   bytes of 2 bits per element (rate >= about 1/16: layers up to about 54 K elements
   with the defaults) goes ``fc_2bit`` instead: for no more bytes, 2 bits send part of
   every element every step, where top-k leaves most filters waiting 10-16 steps in
-  the residual. Measured on the accuracy study's conv nets (resnet20, conv_net), that
-  wait is what made compressed training slower per step than dense (README,
+  the residual. That wait was what made resnet20 slower per step than dense in the
+  accuracy study (conv_net and digits_net moved within their noise; README,
   "Accuracy").
 * 2-D weight (out, in), a fully connected layer -> ``fc_2bit``: every element is sent
   as one of {-t, 0, +t}; the threshold adapts to the size of that layer's values,
