@@ -22,7 +22,8 @@ The rule (Hylo):
   accuracy study (conv_net and digits_net moved within their noise; README,
   "Accuracy").
 * 2-D weight (out, in), a fully connected layer -> ``fc_2bit``: every element is sent
-  as one of {-t, 0, +t}; the threshold adapts to the size of that layer's values,
+  as one of {-v, 0, +v} (v: the mean |g + r| of the elements sent); the threshold that
+  decides which are sent adapts to the size of that layer's values,
 
       t = threshold_scale * mean(|g + r|)
 

@@ -79,28 +79,37 @@ def set_num_threads(n):
     return build.set_num_threads(n)
 
 
-def quantize_2bit(grad, residual, threshold):
+def quantize_2bit(grad, residual, threshold, value=None):
     """2-bit quantization with error feedback.
 
     grad: float32|float16, any shape, n elements. residual: float32, same
-    shape, UPDATED IN PLACE. threshold: float > 0, rounded to float32 (t).
-    a = grad + residual; q = +t if a >= t, -t if a <= -t, else 0; residual <- a - q.
+    shape, UPDATED IN PLACE. threshold: float > 0, rounded to float32 (t), decides
+    which elements are sent. value: float > 0 rounded to float32 (v), the
+    magnitude they are sent with; None (default): v = the mean |a| over the
+    finite a with |a| >= t, measured in a first read-only pass (t if there is
+    none; float32 max if that sum overflows), so what is sent keeps those
+    elements' L1 mass. value=threshold is Hylo's original code (v = t).
+    a = grad + residual; q = +v if a >= t, -v if a <= -t, else 0; residual <- a - q.
 
     Returns (codes, stats):
       codes int32 (ceil(n/16),): element i's code in bits 2*(i%16)..+1 of word
-        i//16 (uint32 bits stored as int32); 0 -> 0, 1 -> +t, 2 -> -t, never 3;
+        i//16 (uint32 bits stored as int32); 0 -> 0, 1 -> +v, 2 -> -v, never 3;
         unused tail bits 0.
-      stats float32 (2,): [sum of |a| over finite a, count of non-finite a];
-        stats[0] / n is the mean |a| the caller adapts the next threshold from.
-        The C++ sum has one fixed order, the same in every ISA build (see
-        kChunk in ops/src/hylo_ops.cc), so all builds return the same bits;
-        the reference sums in another order (equal to ~1e-6 relative).
+      stats float32 (3,): [sum of |a| over finite a, count of non-finite a, v];
+        stats[0] / n is the mean |a| the caller adapts the next threshold from,
+        stats[2] the value to decode with (dequantize_2bit). The C++ sums (of |a|,
+        and of the sent |a| behind v) have one fixed order, the same in every ISA
+        build (see kChunk in ops/src/hylo_ops.cc), so all builds return the same
+        bits; the reference sums in another order (equal to ~1e-6 relative; with
+        value=None its v, hence its residual, can differ from C++ by as much).
     """
     t, text = _checks.threshold32(threshold, "quantize_2bit")
+    v, vtext = (None, None) if value is None else _checks.threshold32(
+        value, "quantize_2bit", what="value")
     _checks.grad_residual(grad, residual, "quantize_2bit")
     if _use_cpp(grad):
-        return _cpp.quantize_2bit(grad, residual, text)
-    return reference._quantize_2bit(grad, residual, float(t))
+        return _cpp.quantize_2bit(grad, residual, text, vtext)
+    return reference._quantize_2bit(grad, residual, float(t), None if v is None else float(v))
 
 
 def l1_stats(grad, residual):
@@ -114,16 +123,17 @@ def l1_stats(grad, residual):
     return reference._l1_stats(grad, residual)
 
 
-def dequantize_2bit(codes, threshold, shape, out=None, accumulate=False):
-    """Decode quantize_2bit's codes to float32 of `shape` (values 0, +t, -t).
+def dequantize_2bit(codes, value, shape, out=None, accumulate=False):
+    """Decode quantize_2bit's codes to float32 of `shape` (values 0, +v, -v).
 
-    codes: int32 (ceil(n/16),), n = prod(shape). threshold: the float that
-    produced the codes (rounded to float32 the same way). shape: tuple of ints.
+    codes: int32 (ceil(n/16),), n = prod(shape). value: the magnitude the codes
+    were sent with (quantize_2bit's stats[2]; rounded to float32 the same way).
+    shape: tuple of ints.
     out: optional float32 NDArray of `shape`: out[:] = decoded, or, with
     accumulate=True, out += decoded (a server sums several workers' payloads,
     each with its own threshold). Returns out, or a new array.
     """
-    t, text = _checks.threshold32(threshold, "dequantize_2bit")
+    t, text = _checks.threshold32(value, "dequantize_2bit", what="value")
     shape = _checks.shape_tuple(shape, "dequantize_2bit")
     n = int(np.prod(shape))
     _checks.codes(codes, n, "dequantize_2bit")

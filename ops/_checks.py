@@ -47,14 +47,15 @@ def grad_residual(grad, residual, op, name="residual"):
     same_context(op, ("grad", grad), (name, residual))
 
 
-def threshold32(threshold, op):
-    """Round to float32; return (np.float32 t, attribute text that parses back to t)."""
+def threshold32(threshold, op, what="threshold"):
+    """Round a positive float (named ``what`` in errors) to float32; return
+    (np.float32 t, attribute text that parses back to t)."""
     if isinstance(threshold, (bool, np.bool_)) or not isinstance(threshold, numbers.Real):
-        raise TypeError("%s: threshold must be a real number, got %r" % (op, threshold))
+        raise TypeError("%s: %s must be a real number, got %r" % (op, what, threshold))
     t = np.float32(threshold)
     if not (math.isfinite(float(t)) and t > 0):
-        raise ValueError("%s: threshold must be finite and > 0 as float32, got %r" % (
-            op, threshold))
+        raise ValueError("%s: %s must be finite and > 0 as float32, got %r" % (
+            op, what, threshold))
     text = "%.9g" % float(t)  # 9 significant digits identify any float32
     assert np.float32(text) == t
     return t, text

@@ -11,8 +11,11 @@ import numpy as np
 from . import _checks
 
 
-def quantize_2bit(grad, residual, threshold_text):
-    codes, stats = mx.nd.hylo_quantize_2bit(grad, residual, threshold=threshold_text)
+def quantize_2bit(grad, residual, threshold_text, value_text=None):
+    attrs = {"threshold": threshold_text}
+    if value_text is not None:
+        attrs["value"] = value_text
+    codes, stats = mx.nd.hylo_quantize_2bit(grad, residual, **attrs)
     return codes, stats
 
 
@@ -20,11 +23,11 @@ def l1_stats(grad, residual):
     return mx.nd.hylo_l1_stats(grad, residual)
 
 
-def dequantize_2bit(codes, threshold_text, shape, out, accumulate):
+def dequantize_2bit(codes, value_text, shape, out, accumulate):
     if out is not None and accumulate:
         # in place: MXNet hands `out` to the op as input and output
-        return mx.nd.hylo_dequantize_2bit_add(codes, out, threshold=threshold_text, out=out)
-    return mx.nd.hylo_dequantize_2bit(codes, threshold=threshold_text,
+        return mx.nd.hylo_dequantize_2bit_add(codes, out, value=value_text, out=out)
+    return mx.nd.hylo_dequantize_2bit(codes, value=value_text,
                                       shape=_checks.shape_text(shape), out=out)
 
 

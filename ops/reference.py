@@ -74,21 +74,39 @@ def _weights(ctx):
     return mx.nd.array((4.0 ** np.arange(8)).reshape((1, 1, 8)), ctx=ctx)
 
 
-def quantize_2bit(grad, residual, threshold):
+def quantize_2bit(grad, residual, threshold, value=None):
     """See mxhylo.ops.quantize_2bit."""
     t, _ = _checks.threshold32(threshold, "quantize_2bit")
+    v = None if value is None else float(_checks.threshold32(value, "quantize_2bit",
+                                                             what="value")[0])
     _checks.grad_residual(grad, residual, "quantize_2bit")
-    return _quantize_2bit(grad, residual, float(t))
+    return _quantize_2bit(grad, residual, float(t), v)
 
 
-def _quantize_2bit(grad, residual, t):
+def _quantize_2bit(grad, residual, t, v):
     a, finite = _fold(grad, residual)
     pos = (a >= t) * finite
     neg = (a <= -t) * finite
-    q = (pos - neg) * t
+    if v is None:
+        v = _mean_sent(a, pos + neg, t)
+    q = (pos - neg) * v
     residual[:] = mx.nd.where(finite, a - q, residual)
     codes = _pack_codes(pos + 2 * neg, a.size)
-    return codes, _stats(_l1(a, finite), finite)
+    stats = mx.nd.concat(_stats(_l1(a, finite), finite),
+                         mx.nd.array([v], ctx=a.context, dtype=np.float32), dim=0)
+    return codes, stats
+
+
+def _mean_sent(a, sent, t):
+    """float32 v: mean |a| over the sent elements (``sent`` 1/0), t if none, float32
+    max if the sum overflows (summed in float64 here, in float32 lanes in C++)."""
+    count = float(mx.nd.sum(sent).asscalar())
+    if not count:
+        return t
+    total = float(mx.nd.sum(mx.nd.where(sent > 0, mx.nd.abs(a), mx.nd.zeros_like(a))
+                            .astype(np.float64)).asscalar())
+    mean = float(np.float32(min(total / count, float(np.finfo(np.float32).max))))
+    return mean
 
 
 def l1_stats(grad, residual):
@@ -102,9 +120,9 @@ def _l1_stats(grad, residual):
     return _stats(_l1(a, finite), finite)
 
 
-def dequantize_2bit(codes, threshold, shape, out=None, accumulate=False):
+def dequantize_2bit(codes, value, shape, out=None, accumulate=False):
     """See mxhylo.ops.dequantize_2bit."""
-    t, _ = _checks.threshold32(threshold, "dequantize_2bit")
+    t, _ = _checks.threshold32(value, "dequantize_2bit", what="value")
     shape = _checks.shape_tuple(shape, "dequantize_2bit")
     n = int(np.prod(shape))
     _checks.codes(codes, n, "dequantize_2bit")

@@ -52,8 +52,10 @@ def test_blobs_of_every_worker_decode_to_the_numpy_sum(strategy, shape):
             expect = np.zeros_like(grad)
             expect[idx] = grad[idx]
         elif strategy == "fc_2bit":
-            t = payload.scalars[0]
-            expect = np.where(grad >= t, t, np.where(grad <= -t, -t, 0)).astype(np.float32)
+            t = np.float32(np.abs(grad).mean())             # the first step's threshold
+            v = np.float32(payload.scalars[0])              # the mean |grad| sent
+            assert v == pytest.approx(np.abs(grad[np.abs(grad) >= t]).mean(), rel=1e-6)
+            expect = np.where(grad >= t, v, np.where(grad <= -t, -v, 0)).astype(np.float32)
         elif strategy == "fp16":
             expect = grad.astype(np.float16).astype(np.float32)
         else:

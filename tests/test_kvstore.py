@@ -82,7 +82,10 @@ def test_outputs_aliasing_inputs_and_each_other():
 
 
 def _np_2bit(a, t):
-    q = np.where(a >= t, t, np.where(a <= -t, -t, 0)).astype(np.float32)
+    """(sent, residual): +-v where |a| >= t, v = the mean |a| of those elements."""
+    sent = np.abs(a) >= t
+    v = np.float32(np.abs(a[sent]).astype(np.float64).mean()) if sent.any() else t
+    q = np.where(a >= t, v, np.where(a <= -t, -v, 0)).astype(np.float32)
     return q, (a - q).astype(np.float32)
 
 
@@ -106,7 +109,7 @@ def test_fc_2bit_path_matches_numpy_error_feedback_and_threshold():
         t = np.float32(np.abs(a).mean())                            # next step's threshold
     layer = kv.stats()["layers"]["fc"]
     assert layer["policy"] == "fc_2bit"
-    assert layer["last_bytes"] == 4 * math.ceil(660 / 16) + 4      # codes + threshold
+    assert layer["last_bytes"] == 4 * math.ceil(660 / 16) + 4      # codes + value
     assert layer["ratio"] == pytest.approx(660 * 4 / (4 * 42 + 4))
 
 

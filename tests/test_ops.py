@@ -35,21 +35,27 @@ FORCED_REFERENCE = os.environ.get("MXHYLO_OPS", "").lower() == "reference"
 
 
 # --------------------------------------------------------------- numpy oracle
-def np_quantize(g, r, t):
-    """-> (codes int32 (ceil(n/16),), new residual, stats float64 (2,))."""
+def np_quantize(g, r, t, v=None):
+    """-> (codes int32 (ceil(n/16),), new residual, stats float64 (3,)).
+
+    v: the value sent; None: the mean |a| of the sent elements (float64, then float32)."""
     t = F32(t)
     with np.errstate(invalid="ignore", over="ignore"):
         a = g.astype(F32) + r
         fin = np.isfinite(a)
         pos = fin & (a >= t)
         neg = fin & (a <= -t)
-        q = np.where(pos, t, np.where(neg, -t, F32(0))).astype(F32)
+        sent = pos | neg
+        if v is None:
+            v = np.abs(a[sent]).astype(np.float64).mean() if sent.any() else t
+        v = F32(v)
+        q = np.where(pos, v, np.where(neg, -v, F32(0))).astype(F32)
         r_new = np.where(fin, a - q, r).astype(F32)
     code = (pos * 1 + neg * 2).astype(np.uint32).ravel()
     words = -(-code.size // 16)
     code = np.concatenate([code, np.zeros(words * 16 - code.size, np.uint32)]).reshape(words, 16)
     packed = np.bitwise_or.reduce(code << (2 * np.arange(16, dtype=np.uint32)), axis=1)
-    stats = np.array([np.abs(a[fin]).astype(np.float64).sum(), (~fin).sum()])
+    stats = np.array([np.abs(a[fin]).astype(np.float64).sum(), (~fin).sum(), v])
     return packed.astype(np.uint32).view(np.int32), r_new, stats
 
 
@@ -60,19 +66,40 @@ def np_l1_ordered(g, r):
     float64; the total rounded to float32. Bitwise what every build returns."""
     with np.errstate(invalid="ignore", over="ignore"):
         a = g.astype(F32).ravel() + r.ravel()
-    x = np.where(np.isfinite(a), np.abs(a), F32(0)).astype(F32)
+    return F32(_sum_ordered(np.where(np.isfinite(a), np.abs(a), F32(0)).astype(F32)))
+
+
+def np_value_ordered(g, r, t):
+    """float32 value quantize_2bit sends by default, as C++ computes it: the sum of
+    the sent |a| (|a| >= t, finite) in the order of np_l1_ordered, over their count in
+    float64; t if none; float32 max if the float32 lane sums overflow."""
+    t = F32(t)
+    with np.errstate(invalid="ignore", over="ignore"):
+        a = g.astype(F32).ravel() + r.ravel()
+        sent = np.isfinite(a) & (np.abs(a) >= t)
+        if not sent.any():
+            return t
+        total = _sum_ordered(np.where(sent, np.abs(a), F32(0)).astype(F32))
+    mean = total / sent.sum()
+    return F32(mean) if mean <= np.finfo(F32).max else np.finfo(F32).max
+
+
+def _sum_ordered(x):
+    """float64 total of float32 x (n,) in the C++ order (np_l1_ordered)."""
     chunks = -(-x.size // 1024)
     x = np.concatenate([x, np.zeros(chunks * 1024 - x.size, F32)]).reshape(chunks, 64, 16)
     lanes = np.zeros((chunks, 16), F32)
-    for i in range(64):  # element order within a lane
-        lanes += x[:, i, :]
+    with np.errstate(over="ignore"):
+        for i in range(64):  # element order within a lane
+            lanes += x[:, i, :]
     sums = np.zeros(chunks, F32)
-    for j in range(16):  # lane order
-        sums += lanes[:, j]
+    with np.errstate(over="ignore"):
+        for j in range(16):  # lane order
+            sums += lanes[:, j]
     total = 0.0
     for v in sums.astype(np.float64):  # chunk order, float64
         total += v
-    return F32(total)
+    return total
 
 
 def np_dequantize(codes, t, shape):
@@ -183,16 +210,47 @@ SHAPES = [(1,), (16,), (17,), (33,), (1000,), (5, 3, 3, 3), (1, 1, 1, 1), (7, 1)
 def test_quantize_matches_numpy(quant_impl, shape, dtype):
     g, r = data(shape, seed=len(shape) * 100 + shape[0], dtype=dtype)
     t = 0.7
-    want_codes, want_r, want_stats = np_quantize(g, r, t)
     res = nd(r)
     codes, stats = quant_impl.quantize_2bit(nd(g), res, t)
-    assert codes.dtype == np.int32 and codes.shape == want_codes.shape
-    assert stats.dtype == np.float32 and stats.shape == (2,)
+    assert codes.dtype == np.int32 and stats.dtype == np.float32 and stats.shape == (3,)
+    v = stats.asnumpy()[2]      # the value sent: the mean |a| of the sent elements
+    np.testing.assert_allclose(np_quantize(g, r, t)[2], stats.asnumpy(), rtol=1e-5)
+    want_codes, want_r, want_stats = np_quantize(g, r, t, v)
+    assert codes.shape == want_codes.shape
     np.testing.assert_array_equal(codes.asnumpy(), want_codes)
     np.testing.assert_array_equal(bits(res.asnumpy()), bits(want_r))
-    np.testing.assert_allclose(stats.asnumpy(), want_stats, rtol=1e-5)
     if quant_impl is not reference:
         assert bits(stats.asnumpy()[0]) == bits(np_l1_ordered(g, r))
+        assert bits(v) == bits(np_value_ordered(g, r, t))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_quantize_given_value(quant_impl, dtype):
+    """value= sends that magnitude; value=threshold is Hylo's original code (+-t)."""
+    g, r = data((5, 3, 3, 3), seed=9, dtype=dtype)
+    for t, v in [(0.7, 0.7), (0.7, 0.3), (0.25, 2.5)]:
+        res = nd(r)
+        codes, stats = quant_impl.quantize_2bit(nd(g), res, t, value=v)
+        want_codes, want_r, want_stats = np_quantize(g, r, t, v)
+        np.testing.assert_array_equal(codes.asnumpy(), want_codes)
+        np.testing.assert_array_equal(bits(res.asnumpy()), bits(want_r))
+        assert bits(stats.asnumpy()[2]) == bits(F32(v))
+        np.testing.assert_allclose(stats.asnumpy(), want_stats, rtol=1e-5)
+
+
+def test_quantize_value_keeps_the_sent_l1_mass(quant_impl):
+    """Default value: the sent elements' decoded L1 mass equals their |a| sum (it is
+    their mean), where sending t would send less."""
+    g, r = data((4000,), seed=13)
+    t = F32(0.5)
+    a = g + r
+    sent = np.abs(a) >= t
+    res = nd(r)
+    codes, stats = quant_impl.quantize_2bit(nd(g), res, t)
+    decoded = quant_impl.dequantize_2bit(codes, stats.asnumpy()[2], (4000,)).asnumpy()
+    np.testing.assert_allclose(np.abs(decoded).sum(), np.abs(a[sent]).sum(), rtol=1e-5)
+    assert np.abs(decoded).sum() > 1.2 * t * sent.sum()
+    np.testing.assert_array_equal(np.sign(decoded[sent]), np.sign(a[sent]))
 
 
 def test_quantize_zeros_and_threshold_rounding(quant_impl):
@@ -200,12 +258,13 @@ def test_quantize_zeros_and_threshold_rounding(quant_impl):
     res = nd(np.zeros(40, F32))
     codes, stats = quant_impl.quantize_2bit(nd(g), res, 1.0)
     assert not codes.asnumpy().any() and not res.asnumpy().any()
-    np.testing.assert_array_equal(stats.asnumpy(), [0, 0])
+    np.testing.assert_array_equal(stats.asnumpy(), [0, 0, 1.0])  # nothing sent: v = t
     # 0.1 is not a float32: both sides must use float32(0.1)
     g = np.full(3, F32(0.1), F32)
     res = nd(np.zeros(3, F32))
-    codes, _ = quant_impl.quantize_2bit(nd(g), res, 0.1)
+    codes, stats = quant_impl.quantize_2bit(nd(g), res, 0.1)
     np.testing.assert_array_equal(codes.asnumpy(), np_quantize(g, np.zeros(3, F32), 0.1)[0])
+    assert stats.asnumpy()[2] == F32(0.1)
     assert not res.asnumpy().any()  # exactly +t sent, nothing left
 
 
@@ -214,29 +273,45 @@ def test_quantize_nonfinite(quant_impl):
     g, r = data((n,), seed=3)
     g[[0, 15, 16, 49]] = [np.nan, np.inf, -np.inf, np.nan]
     g[20], r[20] = F32(3e38), F32(3e38)  # finite inputs, a overflows to +inf
-    want_codes, want_r, want_stats = np_quantize(g, r, 0.5)
     res = nd(r)
     codes, stats = quant_impl.quantize_2bit(nd(g), res, 0.5)
+    v = stats.asnumpy()[2]
+    assert np.isfinite(v) and v >= F32(0.5)
+    want_codes, want_r, want_stats = np_quantize(g, r, 0.5, v)
     np.testing.assert_array_equal(codes.asnumpy(), want_codes)
     got_r = res.asnumpy()
     np.testing.assert_array_equal(bits(got_r), bits(want_r))
     bad = [0, 15, 16, 20, 49]
     np.testing.assert_array_equal(bits(got_r[bad]), bits(r[bad]))  # residual untouched
-    decoded = np_dequantize(codes.asnumpy(), 0.5, (n,))
+    decoded = np_dequantize(codes.asnumpy(), v, (n,))
     assert not decoded[bad].any()  # code 0
     assert stats.asnumpy()[1] == 5
-    np.testing.assert_allclose(stats.asnumpy(), want_stats, rtol=1e-5)
+    np.testing.assert_allclose(stats.asnumpy(), np_quantize(g, r, 0.5)[2], rtol=1e-5)
 
 
 def test_quantize_large_values(quant_impl):
     g = np.array([1e30, -1e30, 1e-30, 1.5e38, -1.5e38, 1.0], F32)  # sum |a| < float32 max
     r = np.array([1e30, 0, 0, 0, 0, -1.0], F32)
-    want_codes, want_r, want_stats = np_quantize(g, r, 1e29)
     res = nd(r)
     codes, stats = quant_impl.quantize_2bit(nd(g), res, 1e29)
+    want_codes, want_r, want_stats = np_quantize(g, r, 1e29, stats.asnumpy()[2])
     np.testing.assert_array_equal(codes.asnumpy(), want_codes)
     np.testing.assert_array_equal(bits(res.asnumpy()), bits(want_r))
-    np.testing.assert_allclose(stats.asnumpy(), want_stats, rtol=1e-5)
+    np.testing.assert_allclose(stats.asnumpy(), np_quantize(g, r, 1e29)[2], rtol=1e-5)
+
+
+def test_quantize_value_sum_overflow_stays_finite(quant_impl):
+    """48 elements of 3e38: the C++ float32 lane sums overflow (v = float32 max), the
+    reference's float64 sum does not (v = 3e38); either way nothing becomes Inf."""
+    g = np.full(48, 3e38, F32)
+    res = nd(np.zeros(48, F32))
+    codes, stats = quant_impl.quantize_2bit(nd(g), res, 1.0)
+    v = stats.asnumpy()[2]
+    assert np.isfinite(v) and v >= F32(3e38)
+    if quant_impl is not reference:
+        assert v == np_value_ordered(g, np.zeros(48, F32), 1.0) == np.finfo(F32).max
+    np.testing.assert_array_equal(bits(res.asnumpy()), bits(np_quantize(g, 0 * g, 1.0, v)[1]))
+    assert np.isfinite(res.asnumpy()).all()
 
 
 def test_quantize_roundtrip(quant_impl):
@@ -245,13 +320,15 @@ def test_quantize_roundtrip(quant_impl):
     t = F32(0.6)
     a = g + r
     res = nd(r)
-    codes, _ = quant_impl.quantize_2bit(nd(g), res, t)
-    decoded = quant_impl.dequantize_2bit(codes, t, shape).asnumpy()
+    codes, stats = quant_impl.quantize_2bit(nd(g), res, t)
+    v = stats.asnumpy()[2]
+    decoded = quant_impl.dequantize_2bit(codes, v, shape).asnumpy()
     new_r = res.asnumpy()
     # the residual is exactly what was not sent, in float32 arithmetic ...
     np.testing.assert_array_equal(bits(new_r), bits(a - decoded))
-    # ... and sent + kept == a exactly where Sterbenz makes a - q exact (|a| <= 2t)
-    small = np.abs(a) <= 2 * t
+    # ... and sent + kept == a exactly where nothing was sent, or where Sterbenz
+    # makes a - q exact (v/2 <= |a| <= 2v)
+    small = (decoded == 0) | ((np.abs(a) >= v / 2) & (np.abs(a) <= 2 * v))
     assert small.sum() > 100
     np.testing.assert_array_equal((decoded + new_r)[small], a[small])
     np.testing.assert_array_max_ulp(decoded + new_r, a, maxulp=1)
@@ -262,7 +339,8 @@ def test_l1_stats(quant_impl):
     g[0, 0, 0, 0] = np.nan
     gnd, rnd = nd(g), nd(r)
     stats = quant_impl.l1_stats(gnd, rnd)
-    np.testing.assert_allclose(stats.asnumpy(), np_quantize(g, r, 1.0)[2], rtol=1e-5)
+    assert stats.shape == (2,)
+    np.testing.assert_allclose(stats.asnumpy(), np_quantize(g, r, 1.0)[2][:2], rtol=1e-5)
     np.testing.assert_array_equal(bits(rnd.asnumpy()), bits(r))  # no writes
     np.testing.assert_array_equal(gnd.asnumpy(), g)
 
@@ -291,7 +369,7 @@ def test_dequantize_accumulate_several_workers(impl):
     out = nd(base)
     for worker, t in enumerate([0.5, 0.125, 1.75]):
         g, r = data(shape, seed=20 + worker)
-        codes, _, _ = np_quantize(g, r, t)
+        codes, _, _ = np_quantize(g, r, t, t)
         want += np_dequantize(codes, t, shape)  # float32 adds in the same order
         assert impl.dequantize_2bit(nd(codes), t, shape, out=out, accumulate=True) is out
     np.testing.assert_array_equal(bits(out.asnumpy()), bits(want))
@@ -488,6 +566,11 @@ def test_validation_errors(impl):
             impl.quantize_2bit(g, r, bad)
     with pytest.raises(TypeError, match="threshold"):
         impl.quantize_2bit(g, r, True)
+    for bad in [0.0, -2.0, float("nan"), float("inf")]:
+        with pytest.raises(ValueError, match="quantize_2bit: value must be finite and > 0"):
+            impl.quantize_2bit(g, r, 1.0, value=bad)
+        with pytest.raises(ValueError, match="dequantize_2bit: value must be finite and > 0"):
+            impl.dequantize_2bit(nd(np.zeros(1, np.int32)), bad, (4, 3))
     for k in [-1, 5]:
         with pytest.raises(ValueError, match="k=%d is out of range" % k):
             impl.select_kernels(g, r, k)
@@ -594,15 +677,17 @@ def test_large_arrays_match_numpy(simd):
     try:
         res = nd(r)
         codes, stats = ops.quantize_2bit(nd(g), res, 0.004)
-        want_codes, want_r, want_stats = np_quantize(g, r, 0.004)
+        v = stats.asnumpy()[2]
+        assert bits(v) == bits(np_value_ordered(g, r, 0.004))
+        want_codes, want_r, want_stats = np_quantize(g, r, 0.004, v)
         np.testing.assert_array_equal(codes.asnumpy(), want_codes)
         np.testing.assert_array_equal(bits(res.asnumpy()), bits(want_r))
-        np.testing.assert_allclose(stats.asnumpy(), want_stats, rtol=1e-5)
+        np.testing.assert_allclose(stats.asnumpy(), np_quantize(g, r, 0.004)[2], rtol=1e-5)
         assert bits(stats.asnumpy()[0]) == bits(np_l1_ordered(g, r))
         assert stats.asnumpy()[1] == 2
         out = nd(np.ones(shape, F32))
-        ops.dequantize_2bit(codes, 0.004, shape, out=out, accumulate=True)
-        np.testing.assert_array_equal(out.asnumpy(), 1 + np_dequantize(want_codes, 0.004, shape))
+        ops.dequantize_2bit(codes, v, shape, out=out, accumulate=True)
+        np.testing.assert_array_equal(out.asnumpy(), 1 + np_dequantize(want_codes, v, shape))
 
         res = nd(r)
         idx, val, stats = ops.select_kernels(nd(g), res, 100)
@@ -685,6 +770,7 @@ def isa_inputs():
     every_half = np.arange(65536, dtype=np.uint16).view(np.float16).copy()  # incl. NaN, Inf
     cases["q_every_half"] = ("quantize", every_half, (rng.randn(65536) * 0.1).astype(F32), 0.05)
     cases["q_all_nan"] = ("quantize", np.full(19, np.nan, F32), np.ones(19, F32), 0.5)
+    cases["q_lane_overflow"] = ("quantize", np.full(48, 3e38, F32), np.zeros(48, F32), 1.0)
     for n in [1, 17, 33, 1000, 4099]:
         codes = rng.randint(-2 ** 31, 2 ** 31 - 1, size=-(-n // 16), dtype=np.int64)
         cases["d_%d" % n] = ("dequantize", codes.astype(np.int32), rng.randn(n).astype(F32), 0.25)
@@ -792,7 +878,9 @@ def test_native_build_matches_numpy(isa_outputs):
     checked = 0
     for name, (op, x, y, p) in isa_inputs().items():
         if op == "quantize":
-            codes, r_new, stats = np_quantize(x, y, p)
+            v = np_value_ordered(x, y, p)
+            assert bits(out[name + "/stats"][2]) == bits(v), name
+            codes, r_new, stats = np_quantize(x, y, p, v)
             np.testing.assert_array_equal(out[name + "/codes"], codes, err_msg=name)
             np.testing.assert_array_equal(bits(out[name + "/residual"]), bits(r_new),
                                           err_msg=name)

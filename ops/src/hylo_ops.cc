@@ -3,11 +3,11 @@
 // mx.library.load(); the ops then appear as mx.nd.hylo_*.
 //
 // Operators (all CPU, dense, float32 unless stated; n = elements of grad):
-//   hylo_quantize_2bit(grad f32|f16, residual f32 [mutated]; threshold)
-//       -> codes int32 (ceil(n/16),), stats f32 (2,)
+//   hylo_quantize_2bit(grad f32|f16, residual f32 [mutated]; threshold[, value])
+//       -> codes int32 (ceil(n/16),), stats f32 (3,)
 //   hylo_l1_stats(grad f32|f16, residual f32) -> stats f32 (2,)
-//   hylo_dequantize_2bit(codes int32; threshold, shape) -> out f32 shape
-//   hylo_dequantize_2bit_add(codes int32, acc f32; threshold) -> acc + decoded
+//   hylo_dequantize_2bit(codes int32; value, shape) -> out f32 shape
+//   hylo_dequantize_2bit_add(codes int32, acc f32; value) -> acc + decoded
 //   hylo_select_kernels(grad f32|f16 (O,..), residual f32 [mutated]; k)
 //       -> indices int32 (max(k,1),), values f32 (max(k,1), F), stats f32 (2,)
 //   hylo_scatter_kernels(indices int32 (k,), values f32 (k,F); shape) -> dense f32
@@ -212,7 +212,8 @@ MXReturnValue mutate_residual(const Attrs&, std::vector<int>* idx) {
 // chunk of kChunk elements (counted from element 0) is summed lane by lane
 // in element order, the 16 lanes are then added in lane order (0, 1, .., 15)
 // into one float, and the chunks' floats are added in order into a double.
-// The same order in every build, whatever the vector width.
+// The same order in every build, whatever the vector width. The sum of the
+// sent |a| (the value's first pass, mean_sent) has the same order.
 const int64_t kChunk = 1024;  // elements; a multiple of 16. fp16 is converted per chunk.
 
 #if defined(__AVX512F__)
@@ -277,8 +278,11 @@ HYLO_INLINE uint32_t pack_word(vi* c) {  // c[v] holds codes kW*v .. kW*v + kW-1
 // Sixteen elements (one code word): a = g + r; the residual (kWrite), |a| of
 // finite a into acc[v], non-finite counts into bad[v] (-1 per element).
 // Returns the code word (0 without kWrite).
+// +v for a >= t, -v for a <= -t: the decision is the threshold's, the magnitude
+// sent is v (the mean |a| of the elements sent, or the caller's value).
 template <bool kWrite>
-HYLO_INLINE uint32_t quantize_word(const float* g, float* r, vf t, vf nt, vf* acc, vi* bad) {
+HYLO_INLINE uint32_t quantize_word(const float* g, float* r, vf t, vf nt, vf val, vf nval,
+                                   vf* acc, vi* bad) {
   const vi kAbs = vi{} + 0x7fffffff;
   const vf fmax = vf{} + FLT_MAX;
   vi c[kV];
@@ -292,18 +296,79 @@ HYLO_INLINE uint32_t quantize_word(const float* g, float* r, vf t, vf nt, vf* ac
     if (!kWrite) continue;
     const vi pos = fin & (a >= t);
     const vi neg = fin & (a <= nt);
-    const vf q = as_float((pos & as_int(t)) | (neg & as_int(nt)));  // +t, -t or +0
+    const vf q = as_float((pos & as_int(val)) | (neg & as_int(nval)));  // +v, -v or +0
     storev(r + kW * v, (as_int(a - q) & fin) | (as_int(r0) & ~fin));  // non-finite: old r
     c[v] = (pos & 1) | (neg & 2);
   }
   return kWrite ? pack_word(c) : 0;
 }
 
-// Quantizes all n elements (kWrite = false: statistics only, nothing written).
+// Sixteen elements: |a| of the finite a with |a| >= t (the ones quantize_word
+// sends) into acc[v], their count into cnt[v] (-1 per element).
+HYLO_INLINE void sent_word(const float* g, const float* r, vf t, vf* acc, vi* cnt) {
+  const vi kAbs = vi{} + 0x7fffffff;
+  const vf fmax = vf{} + FLT_MAX;
+  for (int v = 0; v < kV; ++v) {
+    const vf a = loadv(g + kW * v) + loadv(r + kW * v);
+    const vi absi = as_int(a) & kAbs;
+    const vi sent = (as_float(absi) <= fmax) & (as_float(absi) >= t);
+    acc[v] += as_float(absi & sent);
+    cnt[v] += sent;
+  }
+}
+
+// The value quantize sends by default: the mean |a| over the finite elements
+// with |a| >= t, so what is sent keeps those elements' L1 mass (t alone, the
+// smallest of them, sends less than they hold and leaves the rest waiting in
+// the residual). t when no element reaches t; FLT_MAX if the sum overflows.
+// Read-only first pass; the sum has the fixed order of the sum of |a|.
+template <typename T>
+float mean_sent(const T* g, const float* r, int64_t n, float t) {
+  float gbuf[kChunk];
+  const vf tv = vf{} + t;
+  double total = 0.0;
+  int64_t count = 0;
+  for (int64_t e0 = 0; e0 < n; e0 += kChunk) {
+    const int64_t m = std::min(kChunk, n - e0);
+    const float* gf = as_float(g + e0, m, gbuf);
+    const float* rr = r + e0;
+    vf acc[kV];
+    vi cnt[kV];
+    for (int v = 0; v < kV; ++v) {
+      acc[v] = vf{};
+      cnt[v] = vi{};
+    }
+    int64_t i = 0;
+    for (; i + 16 <= m; i += 16) sent_word(gf + i, rr + i, tv, acc, cnt);
+    if (i < m) {  // zero padding: |0| < t, not counted
+      float gt[16] = {0.f}, rt[16] = {0.f};
+      std::memcpy(gt, gf + i, (m - i) * sizeof(float));
+      std::memcpy(rt, rr + i, (m - i) * sizeof(float));
+      sent_word(gt, rt, tv, acc, cnt);
+    }
+    float lanes[16];
+    int32_t counts[16];
+    std::memcpy(lanes, acc, sizeof(lanes));
+    std::memcpy(counts, cnt, sizeof(counts));
+    float sum = 0.f;
+    for (int j = 0; j < 16; ++j) {
+      sum += lanes[j];
+      count -= counts[j];
+    }
+    total += sum;
+  }
+  if (count == 0) return t;
+  const double mean = total / static_cast<double>(count);
+  return mean <= FLT_MAX ? static_cast<float>(mean) : FLT_MAX;
+}
+
+// Quantizes all n elements, sending +-value (kWrite = false: statistics only,
+// nothing written).
 template <typename T, bool kWrite>
-void quantize_all(const T* g, float* r, uint32_t* codes, int64_t n, float t, float* stats) {
+void quantize_all(const T* g, float* r, uint32_t* codes, int64_t n, float t, float value,
+                  float* stats) {
   float gbuf[kChunk];  // fp16 chunk as float32
-  const vf tv = vf{} + t, ntv = vf{} - t;
+  const vf tv = vf{} + t, ntv = vf{} - t, vv = vf{} + value, nvv = vf{} - value;
   double l1 = 0.0;
   int64_t nbad = 0;
   for (int64_t e0 = 0; e0 < n; e0 += kChunk) {
@@ -319,14 +384,14 @@ void quantize_all(const T* g, float* r, uint32_t* codes, int64_t n, float t, flo
     }
     int64_t i = 0;
     for (; i + 16 <= m; i += 16) {
-      const uint32_t word = quantize_word<kWrite>(gf + i, rr + i, tv, ntv, acc, bad);
+      const uint32_t word = quantize_word<kWrite>(gf + i, rr + i, tv, ntv, vv, nvv, acc, bad);
       if (kWrite) cc[i / 16] = word;
     }
     if (i < m) {  // last word: the zero padding is finite, has code 0 and adds +0
       float gt[16] = {0.f}, rt[16] = {0.f};
       std::memcpy(gt, gf + i, (m - i) * sizeof(float));
       std::memcpy(rt, rr + i, (m - i) * sizeof(float));
-      const uint32_t word = quantize_word<kWrite>(gt, rt, tv, ntv, acc, bad);
+      const uint32_t word = quantize_word<kWrite>(gt, rt, tv, ntv, vv, nvv, acc, bad);
       if (kWrite) {
         std::memcpy(rr + i, rt, (m - i) * sizeof(float));
         cc[i / 16] = word;
@@ -347,9 +412,17 @@ void quantize_all(const T* g, float* r, uint32_t* codes, int64_t n, float t, flo
   stats[1] = static_cast<float>(nbad);
 }
 
+// The optional attribute 'value' (a float > 0) is the magnitude sent; without
+// it, mean_sent measures it in a first pass.
+bool parse_optional_value(const Attrs& attrs, bool* given, float* v) {
+  *given = attrs.count("value") > 0;
+  return !*given || parse_float(attrs, "value", true, v);
+}
+
 MXReturnValue quantize_parse(const Attrs& attrs, int* nin, int* nout) {
-  float t;
-  if (!parse_threshold(attrs, &t)) return MX_FAIL;
+  float t, v;
+  bool given;
+  if (!parse_threshold(attrs, &t) || !parse_optional_value(attrs, &given, &v)) return MX_FAIL;
   *nin = 2;
   *nout = 2;
   return MX_SUCCESS;
@@ -383,23 +456,28 @@ MXReturnValue quantize_shape(const Attrs&, std::vector<std::vector<unsigned int>
                              std::vector<std::vector<unsigned int> >* out) {
   if (!grad_residual_shapes(*in, "hylo_quantize_2bit")) return MX_FAIL;
   (*out)[0] = dims({(shape_size((*in)[0]) + 15) / 16});
-  (*out)[1] = dims({2});
+  (*out)[1] = dims({3});
   return MX_SUCCESS;
 }
 
 MXReturnValue quantize_forward(const Attrs& attrs, std::vector<MXTensor>* in,
                                std::vector<MXTensor>* out, const OpResource&) {
-  float t;
-  if (!parse_threshold(attrs, &t)) return MX_FAIL;
+  float t, v;
+  bool given;
+  if (!parse_threshold(attrs, &t) || !parse_optional_value(attrs, &given, &v)) return MX_FAIL;
   MXTensor& g = (*in)[0];
   float* r = (*in)[1].data<float>();
   uint32_t* codes = (*out)[0].data<uint32_t>();
   float* stats = (*out)[1].data<float>();
   const int64_t n = g.size();
-  if (g.dtype == kFloat16)
-    quantize_all<uint16_t, true>(g.data<uint16_t>(), r, codes, n, t, stats);
-  else
-    quantize_all<float, true>(g.data<float>(), r, codes, n, t, stats);
+  if (g.dtype == kFloat16) {
+    if (!given) v = mean_sent(g.data<uint16_t>(), r, n, t);
+    quantize_all<uint16_t, true>(g.data<uint16_t>(), r, codes, n, t, v, stats);
+  } else {
+    if (!given) v = mean_sent(g.data<float>(), r, n, t);
+    quantize_all<float, true>(g.data<float>(), r, codes, n, t, v, stats);
+  }
+  stats[2] = v;
   return MX_SUCCESS;
 }
 
@@ -430,14 +508,15 @@ MXReturnValue stats_forward(const Attrs&, std::vector<MXTensor>* in,
   const int64_t n = g.size();
   // t only matters for writes; any positive value will do.
   if (g.dtype == kFloat16)
-    quantize_all<uint16_t, false>(g.data<uint16_t>(), r, nullptr, n, 1.f, stats);
+    quantize_all<uint16_t, false>(g.data<uint16_t>(), r, nullptr, n, 1.f, 1.f, stats);
   else
-    quantize_all<float, false>(g.data<float>(), r, nullptr, n, 1.f, stats);
+    quantize_all<float, false>(g.data<float>(), r, nullptr, n, 1.f, 1.f, stats);
   return MX_SUCCESS;
 }
 
 // ===================================================== 2-bit dequantization
-// out[i] (= or +=) {0, +t, -t, 0}[code]; code 3 is never produced and decodes to 0.
+// out[i] (= or +=) {0, +t, -t, 0}[code], t the value quantize sent; code 3 is
+// never produced and decodes to 0.
 template <bool kAdd>
 void dequantize_all(const uint32_t* codes, float* out, int64_t n, float t) {
   const int64_t full = n / 16;
@@ -460,10 +539,14 @@ void dequantize_all(const uint32_t* codes, float* out, int64_t n, float t) {
   }
 }
 
+bool parse_value(const Attrs& attrs, float* t) {
+  return parse_float(attrs, "value", true, t);
+}
+
 MXReturnValue deq_parse(const Attrs& attrs, int* nin, int* nout) {
   float t;
   std::vector<unsigned int> shape;
-  if (!parse_threshold(attrs, &t) || !parse_shape(attrs, &shape)) return MX_FAIL;
+  if (!parse_value(attrs, &t) || !parse_shape(attrs, &shape)) return MX_FAIL;
   *nin = 1;
   *nout = 1;
   return MX_SUCCESS;
@@ -506,14 +589,14 @@ MXReturnValue deq_shape(const Attrs& attrs, std::vector<std::vector<unsigned int
 MXReturnValue deq_forward(const Attrs& attrs, std::vector<MXTensor>* in,
                           std::vector<MXTensor>* out, const OpResource&) {
   float t;
-  if (!parse_threshold(attrs, &t)) return MX_FAIL;
+  if (!parse_value(attrs, &t)) return MX_FAIL;
   dequantize_all<false>((*in)[0].data<uint32_t>(), (*out)[0].data<float>(), (*out)[0].size(), t);
   return MX_SUCCESS;
 }
 
 MXReturnValue deq_add_parse(const Attrs& attrs, int* nin, int* nout) {
   float t;
-  if (!parse_threshold(attrs, &t)) return MX_FAIL;
+  if (!parse_value(attrs, &t)) return MX_FAIL;
   *nin = 2;
   *nout = 1;
   return MX_SUCCESS;
@@ -531,7 +614,7 @@ MXReturnValue deq_add_shape(const Attrs&, std::vector<std::vector<unsigned int> 
 MXReturnValue deq_add_forward(const Attrs& attrs, std::vector<MXTensor>* in,
                               std::vector<MXTensor>* out, const OpResource&) {
   float t;
-  if (!parse_threshold(attrs, &t)) return MX_FAIL;
+  if (!parse_value(attrs, &t)) return MX_FAIL;
   const float* acc = (*in)[1].data<float>();
   float* o = (*out)[0].data<float>();
   const int64_t n = (*out)[0].size();
