@@ -56,8 +56,8 @@ SRC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "src")
 SOURCE = os.path.join(SRC_DIR, "hylo_ops.cc")
 
 # One thread, no OpenMP: every kernel runs on the MXNet engine thread that
-# calls it. A kernel reaches memory speed on one thread with AVX2 or AVX-512
-# (python -m mxhylo.bench ops), and an OpenMP team left behind by a kernel
+# calls it. Each pass of a kernel runs near memory speed on one thread with AVX2
+# or AVX-512 (python -m mxhylo.bench ops), and an OpenMP team left behind by a kernel
 # would wait (spinning first) on cores that forward and backward need.
 # -ffp-contract=off: no FMA contraction, so float results cannot depend on
 # whether the level has FMA. -Wno-psabi: the GCC vector types of the kernels
