@@ -303,6 +303,22 @@ HYLO_INLINE uint32_t quantize_word(const float* g, float* r, vf t, vf nt, vf val
   return kWrite ? pack_word(c) : 0;
 }
 
+// The end of a chunk: its 16 float lanes (lane j = element i % 16 == j) added
+// in lane order, the fixed order above; the per-lane counts (-1 per element)
+// taken off *count.
+HYLO_INLINE float reduce_lanes(const vf* acc, const vi* cnt, int64_t* count) {
+  float lanes[16];
+  int32_t counts[16];
+  std::memcpy(lanes, acc, sizeof(lanes));
+  std::memcpy(counts, cnt, sizeof(counts));
+  float sum = 0.f;
+  for (int j = 0; j < 16; ++j) {
+    sum += lanes[j];
+    *count -= counts[j];
+  }
+  return sum;
+}
+
 // Sixteen elements: |a| of the finite a with |a| >= t (the ones quantize_word
 // sends) into acc[v], their count into cnt[v] (-1 per element).
 HYLO_INLINE void sent_word(const float* g, const float* r, vf t, vf* acc, vi* cnt) {
@@ -346,16 +362,7 @@ float mean_sent(const T* g, const float* r, int64_t n, float t) {
       std::memcpy(rt, rr + i, (m - i) * sizeof(float));
       sent_word(gt, rt, tv, acc, cnt);
     }
-    float lanes[16];
-    int32_t counts[16];
-    std::memcpy(lanes, acc, sizeof(lanes));
-    std::memcpy(counts, cnt, sizeof(counts));
-    float sum = 0.f;
-    for (int j = 0; j < 16; ++j) {
-      sum += lanes[j];
-      count -= counts[j];
-    }
-    total += sum;
+    total += reduce_lanes(acc, cnt, &count);
   }
   if (count == 0) return t;
   const double mean = total / static_cast<double>(count);
@@ -397,16 +404,7 @@ void quantize_all(const T* g, float* r, uint32_t* codes, int64_t n, float t, flo
         cc[i / 16] = word;
       }
     }
-    float lanes[16];  // lane j = element i % 16 == j; added in lane order
-    int32_t counts[16];
-    std::memcpy(lanes, acc, sizeof(lanes));
-    std::memcpy(counts, bad, sizeof(counts));
-    float sum = 0.f;
-    for (int j = 0; j < 16; ++j) {
-      sum += lanes[j];
-      nbad -= counts[j];
-    }
-    l1 += sum;
+    l1 += reduce_lanes(acc, bad, &nbad);
   }
   stats[0] = static_cast<float>(l1);
   stats[1] = static_cast<float>(nbad);
