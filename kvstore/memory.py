@@ -5,6 +5,12 @@ compression operators read and update in place (residual <- gradient + residual 
 a few scalars of codec state (the adaptive 2-bit threshold), and, with momentum
 correction (kvstore.momentum), two more arrays per layer. All of it is part of a
 checkpoint: resuming without it changes the next steps' gradients.
+
+A codec may leave a subtraction owed on its residual (fc_2bit: ops.quantize_2bit
+with defer=True reads gradient and residual once instead of twice, and the next
+step's quantize pays what the last one owes in its own pass). Every other reader
+gets the residual settled: residual(), get() and state_dict() pay what is owed
+first, so the residual a reader sees is bitwise the one an eager codec leaves.
 """
 import mxnet as mx
 import numpy as np
@@ -21,12 +27,24 @@ class ResidualMemory:
         self._residuals = {}
         self._scalars = {}
         self._arrays = {}
+        self._owed = {}         # name -> (int32 codes, value): ops.settle_2bit's arguments
 
     def residual(self, name, like):
-        """The residual of layer ``name``: float32, shape and context of NDArray ``like``.
+        """The residual of layer ``name``: float32, shape and context of NDArray ``like``,
+        with nothing owed on it.
 
         Created as zeros on first use; a checkpoint loaded earlier fills it instead.
         """
+        res, owed = self.residual_owing(name, like)
+        if owed is not None:
+            self._settle(name, res, owed)
+        return res
+
+    def residual_owing(self, name, like):
+        """(residual, owed) of layer ``name``: the residual as residual() gives it but
+        without paying what a deferred quantize owes on it, and that debt ((codes,
+        value) for ops.quantize_2bit's ``pending``) or None. The caller that passes the
+        debt on to an operator hands the new one back with set_owed()."""
         res = self._residuals.get(name)
         if res is None:
             res = mx.nd.zeros(like.shape, ctx=like.context, dtype=np.float32)
@@ -36,7 +54,23 @@ class ResidualMemory:
                              "%s (a checkpoint of another model?)" % (name, res.shape, like.shape))
         elif res.context != like.context:
             res = self._residuals[name] = res.as_in_context(like.context)
-        return res
+            owed = self._owed.get(name)
+            if owed is not None:
+                self._owed[name] = (owed[0].as_in_context(like.context), owed[1])
+        return res, self._owed.get(name)
+
+    def set_owed(self, name, owed):
+        """Record what layer ``name``'s residual owes: (int32 codes, value) of an
+        ops.quantize_2bit(..., defer=True) on it, or None once an operator paid it."""
+        if owed is None:
+            self._owed.pop(name, None)
+        else:
+            self._owed[name] = (owed[0], float(owed[1]))
+
+    def _settle(self, name, residual, owed):
+        from .. import ops
+        ops.settle_2bit(owed[0], owed[1], residual)
+        del self._owed[name]
 
     def array(self, name, field, like):
         """State array ``field`` (one of ARRAY_FIELDS) of layer ``name``: float32, shape
@@ -66,8 +100,11 @@ class ResidualMemory:
         self._arrays[(name, field)] = value
 
     def get(self, name):
-        """The residual of layer ``name``, or None if it has none yet."""
-        return self._residuals.get(name)
+        """The residual of layer ``name`` (nothing owed on it), or None if it has none yet."""
+        res = self._residuals.get(name)
+        if res is not None and name in self._owed:
+            self._settle(name, res, self._owed[name])
+        return res
 
     def scalar(self, name, field):
         """Codec state ``field`` of layer ``name`` (a Python float), or None if unset."""
@@ -85,7 +122,10 @@ class ResidualMemory:
         return sorted(self._residuals)
 
     def state_dict(self):
-        """Everything as a dict of str -> NDArray (the format of mx.nd.save)."""
+        """Everything as a dict of str -> NDArray (the format of mx.nd.save); residuals
+        settled."""
+        for name in list(self._owed):
+            self.get(name)
         state = {"residual/" + n: r for n, r in self._residuals.items()}
         for (name, field), arr in self._arrays.items():
             state["%s/%s" % (field, name)] = arr
@@ -107,6 +147,7 @@ class ResidualMemory:
             else:
                 scalars[(name, field)] = float(value.asnumpy()[0])
         self._residuals, self._scalars, self._arrays = residuals, scalars, arrays
+        self._owed = {}
 
     def save(self, fname):
         mx.nd.save(fname, self.state_dict())

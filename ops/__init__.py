@@ -30,7 +30,7 @@ import numpy as np
 
 from . import _checks, _cpp, build, reference
 
-__all__ = ["backend", "quantize_2bit", "l1_stats", "dequantize_2bit", "select_kernels",
+__all__ = ["backend", "quantize_2bit", "settle_2bit", "l1_stats", "dequantize_2bit", "select_kernels",
            "scatter_kernels", "momentum_velocity", "momentum_correct", "set_num_threads", "reference", "build"]
 
 _lock = threading.Lock()
@@ -79,17 +79,28 @@ def set_num_threads(n):
     return build.set_num_threads(n)
 
 
-def quantize_2bit(grad, residual, threshold, value=None):
+def quantize_2bit(grad, residual, threshold, value=None, pending=None, defer=False):
     """2-bit quantization with error feedback.
 
     grad: float32|float16, any shape, n elements. residual: float32, same
     shape, UPDATED IN PLACE. threshold: float > 0, rounded to float32 (t), decides
     which elements are sent. value: float > 0 rounded to float32 (v), the
     magnitude they are sent with; None (default): v = the mean |a| over the
-    finite a with |a| >= t, measured in a first read-only pass (t if there is
-    none; float32 max if that sum overflows), so what is sent keeps those
-    elements' L1 mass. value=threshold is Hylo's original code (v = t).
+    finite a with |a| >= t (t if there is none; float32 max if that sum
+    overflows), so what is sent keeps those elements' L1 mass. value=threshold
+    is Hylo's original code (v = t).
     a = grad + residual; q = +v if a >= t, -v if a <= -t, else 0; residual <- a - q.
+
+    The default v is known only after every element has been read, and a
+    residual <- a - q needs it: so by default the operator makes a second pass
+    over the residual. defer=True leaves that subtraction owed instead
+    (residual <- a, ONE pass over grad and residual: what a store that
+    quantizes the same residual every step wants): hand (codes, stats[2]) to the
+    next call on this residual as ``pending``, which pays it in that call's
+    single pass, or pay it with settle_2bit(codes, stats[2], residual). Either
+    way the residual ends bitwise as the default's (r - q_prev, then + grad).
+    pending: None, or (codes, value) of an earlier defer=True call on this
+    residual: residual <- residual - q_prev first, in the same pass.
 
     Returns (codes, stats):
       codes int32 (ceil(n/16),): element i's code in bits 2*(i%16)..+1 of word
@@ -102,14 +113,32 @@ def quantize_2bit(grad, residual, threshold, value=None):
         build (see kChunk in ops/src/hylo_ops.cc), so all builds return the same
         bits; the reference sums in another order (equal to ~1e-6 relative; with
         value=None its v, hence its residual, can differ from C++ by as much).
+    A non-finite a keeps its (pending-paid) residual element and gets code 0.
     """
     t, text = _checks.threshold32(threshold, "quantize_2bit")
     v, vtext = (None, None) if value is None else _checks.threshold32(
         value, "quantize_2bit", what="value")
     _checks.grad_residual(grad, residual, "quantize_2bit")
+    if pending is not None:
+        pcodes, pvalue = _checks.pending(pending, grad.size, "quantize_2bit")
+        pending = (pcodes,) + _checks.threshold32(pvalue, "quantize_2bit", what="pending value")
     if _use_cpp(grad):
-        return _cpp.quantize_2bit(grad, residual, text, vtext)
-    return reference._quantize_2bit(grad, residual, float(t), None if v is None else float(v))
+        return _cpp.quantize_2bit(grad, residual, text, vtext, pending, bool(defer))
+    return reference._quantize_2bit(grad, residual, float(t), None if v is None else float(v),
+                                    pending and (pending[0], float(pending[1])), bool(defer))
+
+
+def settle_2bit(codes, value, residual):
+    """residual <- residual - q in place, q the decoded codes (0, +v, -v): what a
+    quantize_2bit(..., defer=True) call left owed. codes: int32 (ceil(n/16),);
+    value: its stats[2]; residual: float32 of n elements. Bitwise the residual the
+    call would have left without defer. Returns residual."""
+    t, text = _checks.threshold32(value, "settle_2bit", what="value")
+    _checks.codes(codes, residual.size, "settle_2bit")
+    _checks.ndarray(residual, "residual", (np.float32,), "settle_2bit")
+    if _use_cpp(codes):
+        return _cpp.settle_2bit(codes, text, residual)
+    return reference._settle_2bit(codes, float(t), residual)
 
 
 def l1_stats(grad, residual):

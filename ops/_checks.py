@@ -112,6 +112,15 @@ def codes(c, n, op):
             op, num_words(n), n, c.shape))
 
 
+def pending(p, n, op):
+    """quantize_2bit's ``pending``: a (codes, value) pair for n elements; returns it."""
+    if not isinstance(p, (tuple, list)) or len(p) != 2:
+        raise TypeError("%s: pending must be a (codes, value) pair from an earlier call with "
+                        "defer=True, got %r" % (op, type(p).__name__))
+    codes(p[0], n, op)
+    return p[0], p[1]
+
+
 def out_array(out, shape, ctx, op):
     """`out` (if given) must be float32 of `shape` on `ctx`."""
     if out is None:

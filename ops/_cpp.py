@@ -11,12 +11,22 @@ import numpy as np
 from . import _checks
 
 
-def quantize_2bit(grad, residual, threshold_text, value_text=None):
-    attrs = {"threshold": threshold_text}
+def quantize_2bit(grad, residual, threshold_text, value_text, pending, defer):
+    """pending: None or (codes, value as float32, its text)."""
+    attrs = {"threshold": threshold_text, "defer": "1" if defer else "0"}
     if value_text is not None:
         attrs["value"] = value_text
-    codes, stats = mx.nd.hylo_quantize_2bit(grad, residual, **attrs)
+    inputs = [grad, residual]
+    if pending is not None:
+        inputs.append(pending[0])
+        attrs["pending_value"] = pending[2]
+    codes, stats = mx.nd.hylo_quantize_2bit(*inputs, **attrs)
     return codes, stats
+
+
+def settle_2bit(codes, value_text, residual):
+    # in place: MXNet hands `residual` to the op as input and output
+    return mx.nd.hylo_settle_2bit(codes, residual, value=value_text, out=residual)
 
 
 def l1_stats(grad, residual):

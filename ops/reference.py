@@ -74,27 +74,49 @@ def _weights(ctx):
     return mx.nd.array((4.0 ** np.arange(8)).reshape((1, 1, 8)), ctx=ctx)
 
 
-def quantize_2bit(grad, residual, threshold, value=None):
+def quantize_2bit(grad, residual, threshold, value=None, pending=None, defer=False):
     """See mxhylo.ops.quantize_2bit."""
     t, _ = _checks.threshold32(threshold, "quantize_2bit")
     v = None if value is None else float(_checks.threshold32(value, "quantize_2bit",
                                                              what="value")[0])
     _checks.grad_residual(grad, residual, "quantize_2bit")
-    return _quantize_2bit(grad, residual, float(t), v)
+    if pending is not None:
+        pcodes, pvalue = _checks.pending(pending, grad.size, "quantize_2bit")
+        pending = (pcodes, float(_checks.threshold32(pvalue, "quantize_2bit",
+                                                     what="pending value")[0]))
+    return _quantize_2bit(grad, residual, float(t), v, pending, bool(defer))
 
 
-def _quantize_2bit(grad, residual, t, v):
+def _quantize_2bit(grad, residual, t, v, pending=None, defer=False):
+    if pending is not None:
+        _settle_2bit(pending[0], pending[1], residual)
     a, finite = _fold(grad, residual)
     pos = (a >= t) * finite
     neg = (a <= -t) * finite
     if v is None:
         v = _mean_sent(a, pos + neg, t)
-    q = (pos - neg) * v
-    residual[:] = mx.nd.where(finite, a - q, residual)
+    if defer:
+        residual[:] = mx.nd.where(finite, a, residual)
+    else:
+        residual[:] = mx.nd.where(finite, a - (pos - neg) * v, residual)  # q: +v, -v, +0
     codes = _pack_codes(pos + 2 * neg, a.size)
     stats = mx.nd.concat(_stats(_l1(a, finite), finite),
                          mx.nd.array([v], ctx=a.context, dtype=np.float32), dim=0)
     return codes, stats
+
+
+def settle_2bit(codes, value, residual):
+    """See mxhylo.ops.settle_2bit."""
+    t, _ = _checks.threshold32(value, "settle_2bit", what="value")
+    _checks.codes(codes, residual.size, "settle_2bit")
+    _checks.ndarray(residual, "residual", (np.float32,), "settle_2bit")
+    return _settle_2bit(codes, float(t), residual)
+
+
+def _settle_2bit(codes, t, residual):
+    """residual -= decoded codes (0 as +0: r - (+0) keeps r bit for bit)."""
+    residual[:] = residual - (_unpack_codes(codes, residual.size) * t).reshape(residual.shape)
+    return residual
 
 
 def _mean_sent(a, sent, t):

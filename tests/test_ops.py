@@ -289,6 +289,69 @@ def test_quantize_nonfinite(quant_impl):
     np.testing.assert_allclose(stats.asnumpy(), np_quantize(g, r, 0.5)[2], rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(1,), (17,), (33,), (1025,), (5, 3, 3, 3)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_quantize_deferred_chain_is_bitwise_the_eager_one(quant_impl, shape, dtype):
+    """defer=True leaves residual <- a (q owed); the next call pays it through
+    ``pending`` in its own pass, settle_2bit pays it alone: three steps of that give
+    the eager chain's codes, stats and residual bit for bit, NaN/Inf/-0 included."""
+    n = int(np.prod(shape))
+    steps = [data(shape, seed=40 + k, dtype=dtype) for k in range(3)]
+    r0 = steps[0][1].copy()
+    r0.reshape(-1)[::3] = -0.0
+    if n >= 17:
+        steps[1][0].reshape(-1)[[0, 16]] = [np.nan, -np.inf]
+    eager, deferred = nd(r0), nd(r0)
+    owed = None
+    for k, (g, _) in enumerate(steps):
+        t = 0.7 - 0.1 * k
+        before = deferred.asnumpy() if owed is None else None
+        codes_e, stats_e = quant_impl.quantize_2bit(nd(g), eager, t)
+        codes_d, stats_d = quant_impl.quantize_2bit(nd(g), deferred, t, pending=owed, defer=True)
+        np.testing.assert_array_equal(codes_d.asnumpy(), codes_e.asnumpy())
+        assert bits(stats_d.asnumpy()).tolist() == bits(stats_e.asnumpy()).tolist()
+        if before is not None:       # nothing owed before: residual <- a, old r if not finite
+            with np.errstate(invalid="ignore", over="ignore"):
+                a = g.astype(F32) + before
+            want = np.where(np.isfinite(a), a, before).astype(F32)
+            np.testing.assert_array_equal(bits(deferred.asnumpy()), bits(want))
+        owed = (codes_d, stats_d.asnumpy()[2])
+    assert quant_impl.settle_2bit(owed[0], owed[1], deferred) is deferred
+    np.testing.assert_array_equal(bits(deferred.asnumpy()), bits(eager.asnumpy()))
+
+
+def test_quantize_pending_ignores_the_tail_bits(quant_impl):
+    """The unused bits of the pending tail word (n % 16 != 0) owe nothing."""
+    g, r = data((17,), seed=5)
+    dirty = np.array([0, -3], np.int32)          # element 16 owes +v (code 1), the rest garbage
+    clean = np.array([0, 1], np.int32)           # element 16 owes +v only
+    res_a, res_b = nd(r), nd(r)
+    ca, sa = quant_impl.quantize_2bit(nd(g), res_a, 0.5, pending=(nd(dirty), 0.25))
+    cb, sb = quant_impl.quantize_2bit(nd(g), res_b, 0.5, pending=(nd(clean), 0.25))
+    np.testing.assert_array_equal(ca.asnumpy(), cb.asnumpy())
+    np.testing.assert_array_equal(bits(res_a.asnumpy()), bits(res_b.asnumpy()))
+    np.testing.assert_array_equal(bits(sa.asnumpy()), bits(sb.asnumpy()))
+    r_paid = r.copy()
+    r_paid[16] = r[16] - F32(0.25)                # word 0 is 0 (owes nothing); element 16
+    want_codes, want_r, _ = np_quantize(g, r_paid, 0.5, sa.asnumpy()[2])
+    np.testing.assert_array_equal(ca.asnumpy(), want_codes)
+    np.testing.assert_array_equal(bits(res_a.asnumpy()), bits(want_r))
+
+
+def test_pending_validation_errors(impl):
+    g, r = nd(np.ones(20, F32)), nd(np.zeros(20, F32))
+    with pytest.raises(TypeError, match="pending must be a \\(codes, value\\) pair"):
+        impl.quantize_2bit(g, r, 1.0, pending=nd(np.zeros(2, np.int32)))
+    with pytest.raises(ValueError, match="codes must have shape \\(2,\\) for 20 elements"):
+        impl.quantize_2bit(g, r, 1.0, pending=(nd(np.zeros(3, np.int32)), 1.0))
+    with pytest.raises(ValueError, match="pending value must be finite and > 0"):
+        impl.quantize_2bit(g, r, 1.0, pending=(nd(np.zeros(2, np.int32)), 0.0))
+    with pytest.raises(ValueError, match="settle_2bit: codes must have shape"):
+        impl.settle_2bit(nd(np.zeros(1, np.int32)), 1.0, r)
+    with pytest.raises(ValueError, match="settle_2bit: value must be finite"):
+        impl.settle_2bit(nd(np.zeros(2, np.int32)), float("nan"), r)
+
+
 def test_quantize_large_values(quant_impl):
     g = np.array([1e30, -1e30, 1e-30, 1.5e38, -1.5e38, 1.0], F32)  # sum |a| < float32 max
     r = np.array([1e30, 0, 0, 0, 0, -1.0], F32)
@@ -804,6 +867,15 @@ def isa_child(path):
             out[name + "/residual"] = res.asnumpy()
             out[name + "/stats"] = stats.asnumpy()
             out[name + "/l1_stats"] = ops.l1_stats(nd(x), nd(y)).asnumpy()
+            # two deferred steps (the second pays the first's debt), then settled
+            res = nd(y)
+            c1, s1 = ops.quantize_2bit(nd(x), res, p, defer=True)
+            out[name + "/deferred_residual"] = res.asnumpy()
+            c2, s2 = ops.quantize_2bit(nd(x), res, p, pending=(c1, s1.asnumpy()[2]), defer=True)
+            ops.settle_2bit(c2, s2.asnumpy()[2], res)
+            out[name + "/chain_codes"] = c2.asnumpy()
+            out[name + "/chain_stats"] = s2.asnumpy()
+            out[name + "/chain_residual"] = res.asnumpy()
         elif op == "dequantize":
             n = y.size
             out[name + "/decoded"] = ops.dequantize_2bit(nd(x), p, (n,)).asnumpy()
@@ -887,6 +959,16 @@ def test_native_build_matches_numpy(isa_outputs):
             assert bits(out[name + "/stats"][0]) == bits(np_l1_ordered(x, y)), name
             assert bits(out[name + "/l1_stats"][0]) == bits(np_l1_ordered(x, y)), name
             assert out[name + "/stats"][1] == stats[1], name
+            with np.errstate(invalid="ignore", over="ignore"):
+                a = x.astype(F32) + y
+            np.testing.assert_array_equal(bits(out[name + "/deferred_residual"]),
+                                          bits(np.where(np.isfinite(a), a, y)), err_msg=name)
+            v2 = np_value_ordered(x, r_new, p)    # the eager chain's second step
+            codes2, r2, _ = np_quantize(x, r_new, p, v2)
+            np.testing.assert_array_equal(out[name + "/chain_codes"], codes2, err_msg=name)
+            assert bits(out[name + "/chain_stats"][2]) == bits(v2), name
+            np.testing.assert_array_equal(bits(out[name + "/chain_residual"]), bits(r2),
+                                          err_msg=name)
         elif op == "dequantize":
             np.testing.assert_array_equal(bits(out[name + "/decoded"]),
                                           bits(np_dequantize(x, p, (y.size,))), err_msg=name)

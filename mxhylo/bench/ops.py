@@ -20,7 +20,11 @@ operator and level; the report gives their median and range (min-max). Kernels r
 Operators and data: gradient ~ N(0, scale) float32 of --size elements
 (default 16M), viewed as (size / F, F) filters for the kernel operators with
 F = --filter (default 2304 = 256x3x3). quantize_2bit's threshold is the mean
-|g| (as the kvstore's adaptive threshold); select_kernels keeps --topk of the
+|g| (as the kvstore's adaptive threshold), and it is timed as the store calls it:
+paying the previous step's owed subtraction and leaving its own owed (pending=,
+defer=True: one pass over gradient and residual); quantize_2bit_eager is the
+call with nothing owed in or out (a second pass over the residual once the
+value is known), settle_2bit that second pass alone; select_kernels keeps --topk of the
 filters. dequantize_2bit writes into a preallocated `out` (as the server
 does) and its accumulate variant adds into it; scatter_kernels accumulate
 adds k filters into a dense array, so its "gradient GB/s" counts the whole
@@ -53,8 +57,9 @@ import time
 import numpy as np
 
 DEFAULT_ISAS = "native,x86-64-v3,x86-64"
-OPS = ("quantize_2bit", "quantize_2bit_fp16", "l1_stats", "dequantize_2bit",
-       "dequantize_2bit_accumulate", "select_kernels", "scatter_kernels_accumulate")
+OPS = ("quantize_2bit", "quantize_2bit_fp16", "quantize_2bit_eager", "settle_2bit", "l1_stats",
+       "dequantize_2bit", "dequantize_2bit_accumulate", "select_kernels",
+       "scatter_kernels_accumulate")
 # /proc/cpuinfo flags worth naming in a report (what the ISA levels and
 # MXNet's oneDNN bf16 kernels use).
 CPU_FLAGS_OF_INTEREST = (
@@ -142,7 +147,8 @@ def _cases(mx, ops, ref, n, cfg):
     grad16 = grad.astype(np.float16)
     residual = mx.nd.zeros((n,))
     t = float(np.float32(np.abs(grad_np).mean()))
-    codes, _ = ops.quantize_2bit(grad, mx.nd.zeros((n,)), t)
+    codes, stats = ops.quantize_2bit(grad, mx.nd.zeros((n,)), t)
+    owed = (codes, float(stats.asnumpy()[2]))   # what the store's quantize pays each step
     out = mx.nd.zeros((n,))
 
     rows = n // cfg["filter"]
@@ -157,8 +163,14 @@ def _cases(mx, ops, ref, n, cfg):
         return (lambda: fn(ops), lambda: fn(ref))
 
     return {
-        "quantize_2bit": pair(lambda m: m.quantize_2bit(grad, residual, t)),
-        "quantize_2bit_fp16": pair(lambda m: m.quantize_2bit(grad16, residual, t)),
+        # the store's call (kvstore TwoBit): one pass, last step's debt paid, this one's owed
+        "quantize_2bit": pair(
+            lambda m: m.quantize_2bit(grad, residual, t, pending=owed, defer=True)),
+        "quantize_2bit_fp16": pair(
+            lambda m: m.quantize_2bit(grad16, residual, t, pending=owed, defer=True)),
+        # nothing owed in or out: the value's second pass (= quantize, then settle_2bit)
+        "quantize_2bit_eager": pair(lambda m: m.quantize_2bit(grad, residual, t)),
+        "settle_2bit": pair(lambda m: m.settle_2bit(codes, owed[1], residual)),
         "l1_stats": pair(lambda m: m.l1_stats(grad, residual)),
         "dequantize_2bit": pair(lambda m: m.dequantize_2bit(codes, t, (n,), out=out)),
         "dequantize_2bit_accumulate": pair(
@@ -189,6 +201,11 @@ def edge_digest(mx, ops):
         res = mx.nd.array(r)
         codes, stats = ops.quantize_2bit(mx.nd.array(g, dtype=dtype), res, 0.3)
         add(codes, res, stats, ops.l1_stats(mx.nd.array(g, dtype=dtype), mx.nd.array(r)))
+        deferred = mx.nd.array(r)   # the store's chain: two deferred steps
+        c1, s1 = ops.quantize_2bit(mx.nd.array(g, dtype=dtype), deferred, 0.3, defer=True)
+        c2, s2 = ops.quantize_2bit(mx.nd.array(g, dtype=dtype), deferred, 0.3,
+                                   pending=(c1, float(s1.asnumpy()[2])), defer=True)
+        add(c1, s1, c2, s2, deferred)
         add(ops.dequantize_2bit(codes, 0.3, (n,)))
         rows = max(1, n // 9)
         g2 = g[:rows * 9].reshape(rows, 9) if n >= 9 else g.reshape(n, 1)

@@ -3,8 +3,10 @@
 // mx.library.load(); the ops then appear as mx.nd.hylo_*.
 //
 // Operators (all CPU, dense, float32 unless stated; n = elements of grad):
-//   hylo_quantize_2bit(grad f32|f16, residual f32 [mutated]; threshold[, value])
+//   hylo_quantize_2bit(grad f32|f16, residual f32 [mutated][, pending codes int32];
+//                      threshold[, value][, pending_value][, defer])
 //       -> codes int32 (ceil(n/16),), stats f32 (3,)
+//   hylo_settle_2bit(codes int32, residual f32; value) -> residual - decoded
 //   hylo_l1_stats(grad f32|f16, residual f32) -> stats f32 (2,)
 //   hylo_dequantize_2bit(codes int32; value, shape) -> out f32 shape
 //   hylo_dequantize_2bit_add(codes int32, acc f32; value) -> acc + decoded
@@ -213,7 +215,7 @@ MXReturnValue mutate_residual(const Attrs&, std::vector<int>* idx) {
 // in element order, the 16 lanes are then added in lane order (0, 1, .., 15)
 // into one float, and the chunks' floats are added in order into a double.
 // The same order in every build, whatever the vector width. The sum of the
-// sent |a| (the value's first pass, mean_sent) has the same order.
+// sent |a| behind the default value (quantize_all) has the same order.
 const int64_t kChunk = 1024;  // elements; a multiple of 16. fp16 is converted per chunk.
 
 #if defined(__AVX512F__)
@@ -275,19 +277,36 @@ HYLO_INLINE uint32_t pack_word(vi* c) {  // c[v] holds codes kW*v .. kW*v + kW-1
   return fold_lanes(c[0]);
 }
 
-// Sixteen elements (one code word): a = g + r; the residual (kWrite), |a| of
-// finite a into acc[v], non-finite counts into bad[v] (-1 per element).
-// Returns the code word (0 without kWrite).
-// +v for a >= t, -v for a <= -t: the decision is the threshold's, the magnitude
-// sent is v (the mean |a| of the elements sent, or the caller's value).
-template <bool kWrite>
-HYLO_INLINE uint32_t quantize_word(const float* g, float* r, vf t, vf nt, vf val, vf nval,
-                                   vf* acc, vi* bad) {
+// The owed q of a pending code word (an earlier deferred quantize's), lanes
+// kW*v .. kW*v + kW-1: +pv for code 1, -pv for code 2, +0 for 0 and 3 (as
+// dequantize decodes them). Per-lane shifts by constants.
+typedef uint32_t vu __attribute__((vector_size(4 * kW)));
+HYLO_INLINE vf owed(uint32_t word, int v, vf pval, vf npval) {
+  vu shift;
+  for (int j = 0; j < kW; ++j) shift[j] = 2u * static_cast<uint32_t>(kW * v + j);
+  const vu c = ((vu{} + word) >> shift) & 3u;
+  const vi pos = c == 1u, neg = c == 2u;
+  return as_float((pos & as_int(pval)) | (neg & as_int(npval)));
+}
+
+// Sixteen elements (one code word). With kPending, the residual first pays
+// what an earlier deferred call owes: r <- r - q_prev (q_prev from the code
+// word `prev` and its value pval; r - (+0) keeps r bit for bit, -0 included).
+// Then a = g + r; |a| of finite a into acc[v], non-finite counts into bad[v]
+// (-1 per element); with kWrite, the residual <- a (finite a; the old r
+// otherwise) and the |a| of the elements sent (|a| >= t) into sacc[v], their
+// count into scnt[v]: the caller owes r <- r - q, q = +-value by the returned
+// code word, once the value is known (deferred: at the next call, or settle).
+// +v for a >= t, -v for a <= -t: the decision is the threshold's.
+template <bool kWrite, bool kPending>
+HYLO_INLINE uint32_t quantize_word(const float* g, float* r, vf t, vf nt, uint32_t prev,
+                                   vf pval, vf npval, vf* acc, vi* bad, vf* sacc, vi* scnt) {
   const vi kAbs = vi{} + 0x7fffffff;
   const vf fmax = vf{} + FLT_MAX;
   vi c[kV];
   for (int v = 0; v < kV; ++v) {
-    const vf r0 = loadv(r + kW * v);
+    vf r0 = loadv(r + kW * v);
+    if (kPending) r0 = r0 - owed(prev, v, pval, npval);
     const vf a = loadv(g + kW * v) + r0;
     const vi absi = as_int(a) & kAbs;
     const vi fin = as_float(absi) <= fmax;  // -1, or 0 for NaN and +-Inf
@@ -296,8 +315,10 @@ HYLO_INLINE uint32_t quantize_word(const float* g, float* r, vf t, vf nt, vf val
     if (!kWrite) continue;
     const vi pos = fin & (a >= t);
     const vi neg = fin & (a <= nt);
-    const vf q = as_float((pos & as_int(val)) | (neg & as_int(nval)));  // +v, -v or +0
-    storev(r + kW * v, (as_int(a - q) & fin) | (as_int(r0) & ~fin));  // non-finite: old r
+    const vi sent = pos | neg;
+    sacc[v] += as_float(absi & sent);
+    scnt[v] += sent;
+    storev(r + kW * v, (as_int(a) & fin) | (as_int(r0) & ~fin));  // non-finite: old r
     c[v] = (pos & 1) | (neg & 2);
   }
   return kWrite ? pack_word(c) : 0;
@@ -319,115 +340,104 @@ HYLO_INLINE float reduce_lanes(const vf* acc, const vi* cnt, int64_t* count) {
   return sum;
 }
 
-// Sixteen elements: |a| of the finite a with |a| >= t (the ones quantize_word
-// sends) into acc[v], their count into cnt[v] (-1 per element).
-HYLO_INLINE void sent_word(const float* g, const float* r, vf t, vf* acc, vi* cnt) {
-  const vi kAbs = vi{} + 0x7fffffff;
-  const vf fmax = vf{} + FLT_MAX;
-  for (int v = 0; v < kV; ++v) {
-    const vf a = loadv(g + kW * v) + loadv(r + kW * v);
-    const vi absi = as_int(a) & kAbs;
-    const vi sent = (as_float(absi) <= fmax) & (as_float(absi) >= t);
-    acc[v] += as_float(absi & sent);
-    cnt[v] += sent;
-  }
-}
-
-// The value quantize sends by default: the mean |a| over the finite elements
-// with |a| >= t, so what is sent keeps those elements' L1 mass (t alone, the
-// smallest of them, sends less than they hold and leaves the rest waiting in
-// the residual). t when no element reaches t; FLT_MAX if the sum overflows.
-// Read-only first pass; the sum has the fixed order of the sum of |a|.
-template <typename T>
-float mean_sent(const T* g, const float* r, int64_t n, float t) {
-  float gbuf[kChunk];
-  const vf tv = vf{} + t;
-  double total = 0.0;
-  int64_t count = 0;
-  for (int64_t e0 = 0; e0 < n; e0 += kChunk) {
-    const int64_t m = std::min(kChunk, n - e0);
-    const float* gf = as_float(g + e0, m, gbuf);
-    const float* rr = r + e0;
-    vf acc[kV];
-    vi cnt[kV];
-    for (int v = 0; v < kV; ++v) {
-      acc[v] = vf{};
-      cnt[v] = vi{};
-    }
-    int64_t i = 0;
-    for (; i + 16 <= m; i += 16) sent_word(gf + i, rr + i, tv, acc, cnt);
-    if (i < m) {  // zero padding: |0| < t, not counted
-      float gt[16] = {0.f}, rt[16] = {0.f};
-      std::memcpy(gt, gf + i, (m - i) * sizeof(float));
-      std::memcpy(rt, rr + i, (m - i) * sizeof(float));
-      sent_word(gt, rt, tv, acc, cnt);
-    }
-    total += reduce_lanes(acc, cnt, &count);
-  }
-  if (count == 0) return t;
-  const double mean = total / static_cast<double>(count);
-  return mean <= FLT_MAX ? static_cast<float>(mean) : FLT_MAX;
-}
-
-// Quantizes all n elements, sending +-value (kWrite = false: statistics only,
-// nothing written).
-template <typename T, bool kWrite>
-void quantize_all(const T* g, float* r, uint32_t* codes, int64_t n, float t, float value,
-                  float* stats) {
+// One pass over all n elements: the pending q_prev paid (kPending), codes
+// written and residual <- a (kWrite; the new q owed), the statistics summed:
+// stats[0] = sum |a| (finite a), stats[1] = count of non-finite a; returns the
+// mean |a| of the elements sent (t if none is; FLT_MAX if the sum
+// overflows), the value quantize sends by default: what is sent keeps those
+// elements' L1 mass (t alone, the smallest of them, sends less than they hold
+// and leaves the rest waiting in the residual). Both sums have the fixed
+// order of the header comment. kWrite = false: statistics only, r unchanged.
+template <typename T, bool kWrite, bool kPending>
+float quantize_all(const T* g, float* r, uint32_t* codes, int64_t n, float t,
+                   const uint32_t* pending, float pending_value, float* stats) {
   float gbuf[kChunk];  // fp16 chunk as float32
-  const vf tv = vf{} + t, ntv = vf{} - t, vv = vf{} + value, nvv = vf{} - value;
-  double l1 = 0.0;
-  int64_t nbad = 0;
+  const vf tv = vf{} + t, ntv = vf{} - t;
+  const vf pv = vf{} + pending_value, npv = vf{} - pending_value;
+  double l1 = 0.0, sent_total = 0.0;
+  int64_t nbad = 0, nsent = 0;
   for (int64_t e0 = 0; e0 < n; e0 += kChunk) {
     const int64_t m = std::min(kChunk, n - e0);
     const float* gf = as_float(g + e0, m, gbuf);
     float* rr = r + e0;
     uint32_t* cc = kWrite ? codes + e0 / 16 : nullptr;
-    vf acc[kV];
-    vi bad[kV];
+    const uint32_t* pc = kPending ? pending + e0 / 16 : nullptr;
+    vf acc[kV], sacc[kV];
+    vi bad[kV], scnt[kV];
     for (int v = 0; v < kV; ++v) {
-      acc[v] = vf{};
-      bad[v] = vi{};
+      acc[v] = sacc[v] = vf{};
+      bad[v] = scnt[v] = vi{};
     }
     int64_t i = 0;
     for (; i + 16 <= m; i += 16) {
-      const uint32_t word = quantize_word<kWrite>(gf + i, rr + i, tv, ntv, vv, nvv, acc, bad);
+      const uint32_t word = quantize_word<kWrite, kPending>(
+          gf + i, rr + i, tv, ntv, kPending ? pc[i / 16] : 0u, pv, npv, acc, bad, sacc, scnt);
       if (kWrite) cc[i / 16] = word;
     }
     if (i < m) {  // last word: the zero padding is finite, has code 0 and adds +0
       float gt[16] = {0.f}, rt[16] = {0.f};
       std::memcpy(gt, gf + i, (m - i) * sizeof(float));
       std::memcpy(rt, rr + i, (m - i) * sizeof(float));
-      const uint32_t word = quantize_word<kWrite>(gt, rt, tv, ntv, vv, nvv, acc, bad);
+      // the padding owes nothing, whatever the pending word's unused bits hold
+      const uint32_t prev = kPending ? pc[i / 16] & ((1u << (2 * (m - i))) - 1u) : 0u;
+      const uint32_t word = quantize_word<kWrite, kPending>(gt, rt, tv, ntv, prev, pv, npv,
+                                                            acc, bad, sacc, scnt);
       if (kWrite) {
         std::memcpy(rr + i, rt, (m - i) * sizeof(float));
         cc[i / 16] = word;
       }
     }
     l1 += reduce_lanes(acc, bad, &nbad);
+    if (kWrite) sent_total += reduce_lanes(sacc, scnt, &nsent);
   }
   stats[0] = static_cast<float>(l1);
   stats[1] = static_cast<float>(nbad);
+  if (nsent == 0) return t;
+  const double mean = sent_total / static_cast<double>(nsent);
+  return mean <= FLT_MAX ? static_cast<float>(mean) : FLT_MAX;
 }
 
-// The optional attribute 'value' (a float > 0) is the magnitude sent; without
-// it, mean_sent measures it in a first pass.
-bool parse_optional_value(const Attrs& attrs, bool* given, float* v) {
-  *given = attrs.count("value") > 0;
-  return !*given || parse_float(attrs, "value", true, v);
+// Attributes: 'value' (a float > 0) is the magnitude sent, by default the
+// mean |a| of the elements sent; 'pending_value' (a float > 0) says a third
+// input holds the codes an earlier deferred call left owed, sent with that
+// value; 'defer' ("1") leaves this call's q owed (residual <- a, one pass),
+// by default the op pays it in a second pass (residual <- a - q).
+bool parse_optional_float(const Attrs& attrs, const char* key, bool* given, float* v) {
+  *given = attrs.count(key) > 0;
+  return !*given || parse_float(attrs, key, true, v);
+}
+
+struct QuantizeAttrs {
+  float t = 0.f, value = 0.f, pending_value = 0.f;
+  bool value_given = false, pending = false, defer = false;
+};
+
+bool parse_quantize(const Attrs& attrs, QuantizeAttrs* q) {
+  if (!parse_threshold(attrs, &q->t) ||
+      !parse_optional_float(attrs, "value", &q->value_given, &q->value) ||
+      !parse_optional_float(attrs, "pending_value", &q->pending, &q->pending_value))
+    return false;
+  if (attrs.count("defer")) {
+    const std::string& d = attrs.at("defer");
+    if (d != "0" && d != "1") {
+      MX_ERROR_MSG << "attribute 'defer' must be 0 or 1, got '" << d << "'";
+      return false;
+    }
+    q->defer = d == "1";
+  }
+  return true;
 }
 
 MXReturnValue quantize_parse(const Attrs& attrs, int* nin, int* nout) {
-  float t, v;
-  bool given;
-  if (!parse_threshold(attrs, &t) || !parse_optional_value(attrs, &given, &v)) return MX_FAIL;
-  *nin = 2;
+  QuantizeAttrs q;
+  if (!parse_quantize(attrs, &q)) return MX_FAIL;
+  *nin = q.pending ? 3 : 2;
   *nout = 2;
   return MX_SUCCESS;
 }
 
 bool grad_residual_types(const std::vector<int>& in, const char* op) {
-  if (in.size() != 2 || !is_grad_type(in[0]) || in[1] != kFloat32) {
+  if (in.size() < 2 || !is_grad_type(in[0]) || in[1] != kFloat32) {
     MX_ERROR_MSG << op << ": grad must be float32 or float16 and residual float32";
     return false;
   }
@@ -445,36 +455,60 @@ bool grad_residual_shapes(const std::vector<std::vector<unsigned int> >& in, con
 
 MXReturnValue quantize_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
   if (!grad_residual_types(*in, "hylo_quantize_2bit")) return MX_FAIL;
+  if (in->size() == 3 && (*in)[2] != kInt32) {
+    MX_ERROR_MSG << "hylo_quantize_2bit: pending codes must be int32";
+    return MX_FAIL;
+  }
   (*out)[0] = kInt32;
   (*out)[1] = kFloat32;
   return MX_SUCCESS;
 }
 
+bool check_codes(const std::vector<unsigned int>& codes, int64_t n, const char* op) {
+  if (codes.size() != 1 || static_cast<int64_t>(codes[0]) != (n + 15) / 16) {
+    MX_ERROR_MSG << op << ": codes must have shape (" << (n + 15) / 16 << ",) for " << n
+                 << " elements";
+    return false;
+  }
+  return true;
+}
+
 MXReturnValue quantize_shape(const Attrs&, std::vector<std::vector<unsigned int> >* in,
                              std::vector<std::vector<unsigned int> >* out) {
-  if (!grad_residual_shapes(*in, "hylo_quantize_2bit")) return MX_FAIL;
-  (*out)[0] = dims({(shape_size((*in)[0]) + 15) / 16});
+  std::vector<std::vector<unsigned int> > gr(in->begin(), in->begin() + std::min<size_t>(2, in->size()));
+  if (!grad_residual_shapes(gr, "hylo_quantize_2bit")) return MX_FAIL;
+  const int64_t n = shape_size((*in)[0]);
+  if (in->size() == 3 && !check_codes((*in)[2], n, "hylo_quantize_2bit (pending)")) return MX_FAIL;
+  (*out)[0] = dims({(n + 15) / 16});
   (*out)[1] = dims({3});
   return MX_SUCCESS;
 }
 
+void settle_all(const uint32_t* codes, float* r, int64_t n, float value);
+
+template <typename T>
+float quantize_any(const T* g, float* r, uint32_t* codes, int64_t n, const QuantizeAttrs& q,
+                   const uint32_t* pending, float* stats) {
+  return q.pending
+      ? quantize_all<T, true, true>(g, r, codes, n, q.t, pending, q.pending_value, stats)
+      : quantize_all<T, true, false>(g, r, codes, n, q.t, nullptr, 0.f, stats);
+}
+
 MXReturnValue quantize_forward(const Attrs& attrs, std::vector<MXTensor>* in,
                                std::vector<MXTensor>* out, const OpResource&) {
-  float t, v;
-  bool given;
-  if (!parse_threshold(attrs, &t) || !parse_optional_value(attrs, &given, &v)) return MX_FAIL;
+  QuantizeAttrs q;
+  if (!parse_quantize(attrs, &q)) return MX_FAIL;
   MXTensor& g = (*in)[0];
   float* r = (*in)[1].data<float>();
+  const uint32_t* pending = q.pending ? (*in)[2].data<uint32_t>() : nullptr;
   uint32_t* codes = (*out)[0].data<uint32_t>();
   float* stats = (*out)[1].data<float>();
   const int64_t n = g.size();
-  if (g.dtype == kFloat16) {
-    if (!given) v = mean_sent(g.data<uint16_t>(), r, n, t);
-    quantize_all<uint16_t, true>(g.data<uint16_t>(), r, codes, n, t, v, stats);
-  } else {
-    if (!given) v = mean_sent(g.data<float>(), r, n, t);
-    quantize_all<float, true>(g.data<float>(), r, codes, n, t, v, stats);
-  }
+  const float mean = g.dtype == kFloat16
+      ? quantize_any(g.data<uint16_t>(), r, codes, n, q, pending, stats)
+      : quantize_any(g.data<float>(), r, codes, n, q, pending, stats);
+  const float v = q.value_given ? q.value : mean;
+  if (!q.defer) settle_all(codes, r, n, v);
   stats[2] = v;
   return MX_SUCCESS;
 }
@@ -506,16 +540,18 @@ MXReturnValue stats_forward(const Attrs&, std::vector<MXTensor>* in,
   const int64_t n = g.size();
   // t only matters for writes; any positive value will do.
   if (g.dtype == kFloat16)
-    quantize_all<uint16_t, false>(g.data<uint16_t>(), r, nullptr, n, 1.f, 1.f, stats);
+    quantize_all<uint16_t, false, false>(g.data<uint16_t>(), r, nullptr, n, 1.f, nullptr, 0.f,
+                                         stats);
   else
-    quantize_all<float, false>(g.data<float>(), r, nullptr, n, 1.f, 1.f, stats);
+    quantize_all<float, false, false>(g.data<float>(), r, nullptr, n, 1.f, nullptr, 0.f, stats);
   return MX_SUCCESS;
 }
 
 // ===================================================== 2-bit dequantization
-// out[i] (= or +=) {0, +t, -t, 0}[code], t the value quantize sent; code 3 is
-// never produced and decodes to 0.
-template <bool kAdd>
+// out[i] =, += or -= {0, +t, -t, 0}[code], t the value quantize sent; code 3
+// is never produced and decodes to 0 (kMode: 0 write, 1 add, 2 subtract; the
+// subtraction is a quantize's owed r - q, bit for bit, -0 - (+0) = -0 included).
+template <int kMode>
 void dequantize_all(const uint32_t* codes, float* out, int64_t n, float t) {
   const int64_t full = n / 16;
   for (int64_t w = 0; w < full; ++w) {
@@ -524,7 +560,7 @@ void dequantize_all(const uint32_t* codes, float* out, int64_t n, float t) {
     for (int j = 0; j < 16; ++j) {
       const uint32_t c = (word >> (2 * j)) & 3u;
       const float v = static_cast<float>(static_cast<int>(c & 1u) - static_cast<int>(c >> 1)) * t;
-      o[j] = kAdd ? o[j] + v : v;
+      o[j] = kMode == 1 ? o[j] + v : kMode == 2 ? o[j] - v : v;
     }
   }
   if (full * 16 < n) {
@@ -532,9 +568,13 @@ void dequantize_all(const uint32_t* codes, float* out, int64_t n, float t) {
     for (int64_t i = full * 16; i < n; ++i) {
       const uint32_t c = (word >> (2 * (i - full * 16))) & 3u;
       const float v = static_cast<float>(static_cast<int>(c & 1u) - static_cast<int>(c >> 1)) * t;
-      out[i] = kAdd ? out[i] + v : v;
+      out[i] = kMode == 1 ? out[i] + v : kMode == 2 ? out[i] - v : v;
     }
   }
+}
+
+void settle_all(const uint32_t* codes, float* r, int64_t n, float value) {
+  dequantize_all<2>(codes, r, n, value);
 }
 
 bool parse_value(const Attrs& attrs, float* t) {
@@ -557,7 +597,7 @@ MXReturnValue deq_type(const Attrs&, std::vector<int>* in, std::vector<int>* out
   }
   for (size_t i = 1; i < in->size(); ++i) {
     if ((*in)[i] != kFloat32) {
-      MX_ERROR_MSG << "hylo_dequantize_2bit_add: acc must be float32";
+      MX_ERROR_MSG << "hylo_dequantize_2bit_add / hylo_settle_2bit: acc (residual) must be float32";
       return MX_FAIL;
     }
   }
@@ -565,20 +605,11 @@ MXReturnValue deq_type(const Attrs&, std::vector<int>* in, std::vector<int>* out
   return MX_SUCCESS;
 }
 
-bool check_codes(const std::vector<unsigned int>& codes, int64_t n) {
-  if (codes.size() != 1 || static_cast<int64_t>(codes[0]) != (n + 15) / 16) {
-    MX_ERROR_MSG << "hylo_dequantize_2bit: codes must have shape (" << (n + 15) / 16
-                 << ",) for " << n << " elements";
-    return false;
-  }
-  return true;
-}
-
 MXReturnValue deq_shape(const Attrs& attrs, std::vector<std::vector<unsigned int> >* in,
                         std::vector<std::vector<unsigned int> >* out) {
   std::vector<unsigned int> shape;
   if (!expect_inputs(*in, 1, "hylo_dequantize_2bit") || !parse_shape(attrs, &shape) ||
-      !check_codes((*in)[0], shape_size(shape)))
+      !check_codes((*in)[0], shape_size(shape), "hylo_dequantize_2bit"))
     return MX_FAIL;
   (*out)[0] = shape;
   return MX_SUCCESS;
@@ -588,7 +619,7 @@ MXReturnValue deq_forward(const Attrs& attrs, std::vector<MXTensor>* in,
                           std::vector<MXTensor>* out, const OpResource&) {
   float t;
   if (!parse_value(attrs, &t)) return MX_FAIL;
-  dequantize_all<false>((*in)[0].data<uint32_t>(), (*out)[0].data<float>(), (*out)[0].size(), t);
+  dequantize_all<0>((*in)[0].data<uint32_t>(), (*out)[0].data<float>(), (*out)[0].size(), t);
   return MX_SUCCESS;
 }
 
@@ -603,7 +634,7 @@ MXReturnValue deq_add_parse(const Attrs& attrs, int* nin, int* nout) {
 MXReturnValue deq_add_shape(const Attrs&, std::vector<std::vector<unsigned int> >* in,
                             std::vector<std::vector<unsigned int> >* out) {
   if (!expect_inputs(*in, 2, "hylo_dequantize_2bit_add") ||
-      !check_codes((*in)[0], shape_size((*in)[1])))
+      !check_codes((*in)[0], shape_size((*in)[1]), "hylo_dequantize_2bit_add"))
     return MX_FAIL;
   (*out)[0] = (*in)[1];
   return MX_SUCCESS;
@@ -617,7 +648,30 @@ MXReturnValue deq_add_forward(const Attrs& attrs, std::vector<MXTensor>* in,
   float* o = (*out)[0].data<float>();
   const int64_t n = (*out)[0].size();
   if (o != acc) std::memcpy(o, acc, n * sizeof(float));  // called without out=acc
-  dequantize_all<true>((*in)[0].data<uint32_t>(), o, n, t);
+  dequantize_all<1>((*in)[0].data<uint32_t>(), o, n, t);
+  return MX_SUCCESS;
+}
+
+// hylo_settle_2bit(codes, residual; value): residual - decoded, what a
+// deferred quantize owes (called with out=residual: in place).
+MXReturnValue settle_shape(const Attrs&, std::vector<std::vector<unsigned int> >* in,
+                           std::vector<std::vector<unsigned int> >* out) {
+  if (!expect_inputs(*in, 2, "hylo_settle_2bit") ||
+      !check_codes((*in)[0], shape_size((*in)[1]), "hylo_settle_2bit"))
+    return MX_FAIL;
+  (*out)[0] = (*in)[1];
+  return MX_SUCCESS;
+}
+
+MXReturnValue settle_forward(const Attrs& attrs, std::vector<MXTensor>* in,
+                             std::vector<MXTensor>* out, const OpResource&) {
+  float t;
+  if (!parse_value(attrs, &t)) return MX_FAIL;
+  const float* r = (*in)[1].data<float>();
+  float* o = (*out)[0].data<float>();
+  const int64_t n = (*out)[0].size();
+  if (o != r) std::memcpy(o, r, n * sizeof(float));  // called without out=residual
+  settle_all((*in)[0].data<uint32_t>(), o, n, t);
   return MX_SUCCESS;
 }
 
@@ -1134,6 +1188,12 @@ REGISTER_OP(hylo_dequantize_2bit_add)
     .setInferType(deq_type)
     .setInferShape(deq_add_shape)
     .setForward(deq_add_forward, "cpu");
+
+REGISTER_OP(hylo_settle_2bit)
+    .setParseAttrs(deq_add_parse)
+    .setInferType(deq_type)
+    .setInferShape(settle_shape)
+    .setForward(settle_forward, "cpu");
 
 REGISTER_OP(hylo_select_kernels)
     .setParseAttrs(select_parse)
