@@ -1,7 +1,8 @@
 """The one interface the hylo store moves payloads through, and what it reports back.
 
-Two transports implement it: kvstore.transport_local (one process: the 'server' is a
-decode right here) and kvstore.transport_ps (MXNet's parameter server). The store
+Three transports implement it: kvstore.transport_local (one process: the 'server' is a
+decode right here), kvstore.transport_ps (MXNet's parameter server) and
+kvstore.transport_horovod (Horovod's ring allreduce and allgather). The store
 (kvstore.hylo) calls, per step: ``prepare(layers)``, ``exchange(items)`` (items may be a
 generator that encodes on demand), then ``wait(layers, aggregates)``.
 """
