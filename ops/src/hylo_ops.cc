@@ -279,13 +279,17 @@ HYLO_INLINE uint32_t pack_word(vi* c) {  // c[v] holds codes kW*v .. kW*v + kW-1
 
 // The owed q of a pending code word (an earlier deferred quantize's), lanes
 // kW*v .. kW*v + kW-1: +pv for code 1, -pv for code 2, +0 for 0 and 3 (as
-// dequantize decodes them). Per-lane shifts by constants.
-typedef uint32_t vu __attribute__((vector_size(4 * kW)));
+// dequantize decodes them). Each lane tests its two bits against constant
+// masks (no per-lane shifts: SSE2 has none, and they cost more elsewhere).
 HYLO_INLINE vf owed(uint32_t word, int v, vf pval, vf npval) {
-  vu shift;
-  for (int j = 0; j < kW; ++j) shift[j] = 2u * static_cast<uint32_t>(kW * v + j);
-  const vu c = ((vu{} + word) >> shift) & 3u;
-  const vi pos = c == 1u, neg = c == 2u;
+  vi lo_bit, hi_bit;
+  for (int j = 0; j < kW; ++j) {
+    lo_bit[j] = static_cast<int32_t>(1u << (2 * (kW * v + j)));
+    hi_bit[j] = static_cast<int32_t>(2u << (2 * (kW * v + j)));
+  }
+  const vi w = vi{} + static_cast<int32_t>(word);
+  const vi lo_clear = (w & lo_bit) == 0, hi_clear = (w & hi_bit) == 0;
+  const vi pos = hi_clear & ~lo_clear, neg = lo_clear & ~hi_clear;
   return as_float((pos & as_int(pval)) | (neg & as_int(npval)));
 }
 
