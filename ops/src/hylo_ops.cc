@@ -290,7 +290,7 @@ HYLO_INLINE vf owed(uint32_t word, int v, vf pval, vf npval) {
   const vi w = vi{} + static_cast<int32_t>(word);
   const vi lo_clear = (w & lo_bit) == 0, hi_clear = (w & hi_bit) == 0;
   const vi pos = hi_clear & ~lo_clear, neg = lo_clear & ~hi_clear;
-  return as_float((pos & as_int(pval)) | (neg & as_int(npval)));
+  return pos ? pval : (neg ? npval : vf{});  // lane selects (blends where the ISA has them)
 }
 
 // Sixteen elements (one code word). With kPending, the residual first pays
@@ -322,7 +322,7 @@ HYLO_INLINE uint32_t quantize_word(const float* g, float* r, vf t, vf nt, uint32
     const vi sent = pos | neg;
     sacc[v] += as_float(absi & sent);
     scnt[v] += sent;
-    storev(r + kW * v, (as_int(a) & fin) | (as_int(r0) & ~fin));  // non-finite: old r
+    storev(r + kW * v, as_int(fin ? a : r0));  // non-finite: old r
     c[v] = (pos & 1) | (neg & 2);
   }
   return kWrite ? pack_word(c) : 0;
