@@ -17,7 +17,7 @@ import numpy as np
 from .. import ops
 from .codec import Compressor, Payload, undo_encode, raise_non_finite
 from .codec_fp16 import Float16
-from .memory import ResidualMemory
+from .memory import Owed, ResidualMemory
 from .policy import LayerPlan
 
 
@@ -79,7 +79,8 @@ class TwoBit(Compressor):
         # One pass over grad and residual: this step pays what the last one left owed
         # and leaves its own q owed (memory.py); every other reader gets it settled.
         residual, owed = memory.residual_owing(plan.name, grad)
-        codes, stats = ops.quantize_2bit(grad, residual, t, pending=owed, defer=True)
+        pending = None if owed is None else (owed.threshold, owed.value)
+        codes, stats = ops.quantize_2bit(grad, residual, t, pending=pending, defer=True)
         memory.set_owed(plan.name, None)
         total, bad, value = (float(v) for v in stats.asnumpy())
         payload = Payload(self.name, tuple(grad.shape), (codes,), (value,))
@@ -87,7 +88,7 @@ class TwoBit(Compressor):
             ops.settle_2bit(codes, value, residual)
             undo_encode(self, payload, grad, residual)
             raise_non_finite(plan.name, int(bad), plan.size)
-        memory.set_owed(plan.name, (codes, value))
+        memory.set_owed(plan.name, Owed(codes, t, value))   # no non-finite: a valid pending
         memory.set_scalar(plan.name, "threshold", self._scaled(total, plan))
         return payload
 

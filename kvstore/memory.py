@@ -12,8 +12,20 @@ step's quantize pays what the last one owes in its own pass). Every other reader
 gets the residual settled: residual(), get() and state_dict() pay what is owed
 first, so the residual a reader sees is bitwise the one an eager codec leaves.
 """
+from dataclasses import dataclass
+
 import mxnet as mx
 import numpy as np
+
+
+@dataclass
+class Owed:
+    """What an ops.quantize_2bit(..., defer=True) left owed on a residual: its int32
+    codes (for settle_2bit, exact whatever that call saw), its threshold and value
+    (the next call's ``pending``, valid as it saw no non-finite element)."""
+    codes: mx.nd.NDArray
+    threshold: float
+    value: float
 
 
 # float32 arrays of a layer's shape besides the residual (kvstore.momentum)
@@ -27,7 +39,7 @@ class ResidualMemory:
         self._residuals = {}
         self._scalars = {}
         self._arrays = {}
-        self._owed = {}         # name -> (int32 codes, value): ops.settle_2bit's arguments
+        self._owed = {}         # name -> Owed
 
     def residual(self, name, like):
         """The residual of layer ``name``: float32, shape and context of NDArray ``like``,
@@ -42,9 +54,9 @@ class ResidualMemory:
 
     def residual_owing(self, name, like):
         """(residual, owed) of layer ``name``: the residual as residual() gives it but
-        without paying what a deferred quantize owes on it, and that debt ((codes,
-        value) for ops.quantize_2bit's ``pending``) or None. The caller that passes the
-        debt on to an operator hands the new one back with set_owed()."""
+        without paying what a deferred quantize owes on it, and that debt (an Owed) or
+        None. The caller that passes the debt on to an operator hands the new one back
+        with set_owed()."""
         res = self._residuals.get(name)
         if res is None:
             res = mx.nd.zeros(like.shape, ctx=like.context, dtype=np.float32)
@@ -56,20 +68,20 @@ class ResidualMemory:
             res = self._residuals[name] = res.as_in_context(like.context)
             owed = self._owed.get(name)
             if owed is not None:
-                self._owed[name] = (owed[0].as_in_context(like.context), owed[1])
+                owed.codes = owed.codes.as_in_context(like.context)
         return res, self._owed.get(name)
 
     def set_owed(self, name, owed):
-        """Record what layer ``name``'s residual owes: (int32 codes, value) of an
-        ops.quantize_2bit(..., defer=True) on it, or None once an operator paid it."""
+        """Record what layer ``name``'s residual owes (an Owed), or None once an
+        operator paid it."""
         if owed is None:
             self._owed.pop(name, None)
         else:
-            self._owed[name] = (owed[0], float(owed[1]))
+            self._owed[name] = owed
 
     def _settle(self, name, residual, owed):
         from .. import ops
-        ops.settle_2bit(owed[0], owed[1], residual)
+        ops.settle_2bit(owed.codes, owed.value, residual)
         del self._owed[name]
 
     def array(self, name, field, like):

@@ -95,12 +95,17 @@ def quantize_2bit(grad, residual, threshold, value=None, pending=None, defer=Fal
     residual <- a - q needs it: so by default the operator makes a second pass
     over the residual. defer=True leaves that subtraction owed instead
     (residual <- a, ONE pass over grad and residual: what a store that
-    quantizes the same residual every step wants): hand (codes, stats[2]) to the
-    next call on this residual as ``pending``, which pays it in that call's
-    single pass, or pay it with settle_2bit(codes, stats[2], residual). Either
-    way the residual ends bitwise as the default's (r - q_prev, then + grad).
-    pending: None, or (codes, value) of an earlier defer=True call on this
-    residual: residual <- residual - q_prev first, in the same pass.
+    quantizes the same residual every step wants). Pay it with
+    settle_2bit(codes, stats[2], residual), or, when that call saw no non-finite
+    a (stats[1] == 0), let the next call on this residual pay it in its own pass:
+    pending=(t, stats[2]) of that call. (Its sent elements are then exactly
+    those with |residual| >= t, each owing +-v by its sign; where a was not
+    finite the residual kept its old value, which owes nothing, so after such a
+    call settle by the codes.) Either way the residual ends bitwise as the
+    default's (r - q_prev, then + grad).
+    pending: None, or (threshold, value) of an earlier defer=True call on this
+    residual with stats[1] == 0: residual <- residual - q_prev first, in the same
+    pass.
 
     Returns (codes, stats):
       codes int32 (ceil(n/16),): element i's code in bits 2*(i%16)..+1 of word
@@ -119,18 +124,19 @@ def quantize_2bit(grad, residual, threshold, value=None, pending=None, defer=Fal
     v, vtext = (None, None) if value is None else _checks.threshold32(
         value, "quantize_2bit", what="value")
     _checks.grad_residual(grad, residual, "quantize_2bit")
+    ptext = None
     if pending is not None:
-        pcodes, pvalue = _checks.pending(pending, grad.size, "quantize_2bit")
-        pending = (pcodes,) + _checks.threshold32(pvalue, "quantize_2bit", what="pending value")
+        pending, ptext = _checks.pending(pending, "quantize_2bit")
     if _use_cpp(grad):
-        return _cpp.quantize_2bit(grad, residual, text, vtext, pending, bool(defer))
+        return _cpp.quantize_2bit(grad, residual, text, vtext, ptext, bool(defer))
     return reference._quantize_2bit(grad, residual, float(t), None if v is None else float(v),
-                                    pending and (pending[0], float(pending[1])), bool(defer))
+                                    pending, bool(defer))
 
 
 def settle_2bit(codes, value, residual):
     """residual <- residual - q in place, q the decoded codes (0, +v, -v): what a
-    quantize_2bit(..., defer=True) call left owed. codes: int32 (ceil(n/16),);
+    quantize_2bit(..., defer=True) call left owed (any such call, non-finite a
+    included). codes: int32 (ceil(n/16),);
     value: its stats[2]; residual: float32 of n elements. Bitwise the residual the
     call would have left without defer. Returns residual."""
     t, text = _checks.threshold32(value, "settle_2bit", what="value")

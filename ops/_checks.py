@@ -112,13 +112,15 @@ def codes(c, n, op):
             op, num_words(n), n, c.shape))
 
 
-def pending(p, n, op):
-    """quantize_2bit's ``pending``: a (codes, value) pair for n elements; returns it."""
+def pending(p, op):
+    """quantize_2bit's ``pending``: a (threshold, value) pair -> ((t, v) as floats rounded
+    to float32, (their attribute texts))."""
     if not isinstance(p, (tuple, list)) or len(p) != 2:
-        raise TypeError("%s: pending must be a (codes, value) pair from an earlier call with "
-                        "defer=True, got %r" % (op, type(p).__name__))
-    codes(p[0], n, op)
-    return p[0], p[1]
+        raise TypeError("%s: pending must be the (threshold, value) pair of an earlier call "
+                        "with defer=True, got %r" % (op, type(p).__name__))
+    t, ttext = threshold32(p[0], op, what="pending threshold")
+    v, vtext = threshold32(p[1], op, what="pending value")
+    return (float(t), float(v)), (ttext, vtext)
 
 
 def out_array(out, shape, ctx, op):

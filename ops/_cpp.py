@@ -11,16 +11,14 @@ import numpy as np
 from . import _checks
 
 
-def quantize_2bit(grad, residual, threshold_text, value_text, pending, defer):
-    """pending: None or (codes, value as float32, its text)."""
+def quantize_2bit(grad, residual, threshold_text, value_text, pending_texts, defer):
+    """pending_texts: None or the (threshold, value) attribute texts."""
     attrs = {"threshold": threshold_text, "defer": "1" if defer else "0"}
     if value_text is not None:
         attrs["value"] = value_text
-    inputs = [grad, residual]
-    if pending is not None:
-        inputs.append(pending[0])
-        attrs["pending_value"] = pending[2]
-    codes, stats = mx.nd.hylo_quantize_2bit(*inputs, **attrs)
+    if pending_texts is not None:
+        attrs["pending_threshold"], attrs["pending_value"] = pending_texts
+    codes, stats = mx.nd.hylo_quantize_2bit(grad, residual, **attrs)
     return codes, stats
 
 

@@ -81,15 +81,15 @@ def quantize_2bit(grad, residual, threshold, value=None, pending=None, defer=Fal
                                                              what="value")[0])
     _checks.grad_residual(grad, residual, "quantize_2bit")
     if pending is not None:
-        pcodes, pvalue = _checks.pending(pending, grad.size, "quantize_2bit")
-        pending = (pcodes, float(_checks.threshold32(pvalue, "quantize_2bit",
-                                                     what="pending value")[0]))
+        pending = _checks.pending(pending, "quantize_2bit")[0]
     return _quantize_2bit(grad, residual, float(t), v, pending, bool(defer))
 
 
 def _quantize_2bit(grad, residual, t, v, pending=None, defer=False):
-    if pending is not None:
-        _settle_2bit(pending[0], pending[1], residual)
+    if pending is not None:      # owed: +-v by sign where |r| >= the pending threshold
+        pt, pv = pending
+        owes = mx.nd.abs(residual) >= pt
+        residual[:] = residual - owes * ((residual > 0) - (residual < 0)) * pv
     a, finite = _fold(grad, residual)
     pos = (a >= t) * finite
     neg = (a <= -t) * finite

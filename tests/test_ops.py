@@ -289,63 +289,77 @@ def test_quantize_nonfinite(quant_impl):
     np.testing.assert_allclose(stats.asnumpy(), np_quantize(g, r, 0.5)[2], rtol=1e-5)
 
 
+def deferred_chain(impl, steps, r0, thresholds):
+    """The store's protocol (kvstore TwoBit): quantize with defer=True; the next call
+    pays the debt through pending=(t, v), unless the call saw a non-finite a: then it
+    is settled by its codes at once. Returns [(codes, stats)] and the residual, settled."""
+    residual, owed, out = nd(r0), None, []
+    for g, t in zip(steps, thresholds):
+        codes, stats = impl.quantize_2bit(nd(g), residual, t, pending=owed, defer=True)
+        st = stats.asnumpy()
+        out.append((codes.asnumpy(), st))
+        owed = (t, st[2])
+        if st[1]:
+            impl.settle_2bit(codes, st[2], residual)
+            owed = None
+    if owed is not None:
+        assert impl.settle_2bit(codes, owed[1], residual) is residual
+    return out, residual.asnumpy()
+
+
 @pytest.mark.parametrize("shape", [(1,), (17,), (33,), (1025,), (5, 3, 3, 3)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_quantize_deferred_chain_is_bitwise_the_eager_one(quant_impl, shape, dtype):
     """defer=True leaves residual <- a (q owed); the next call pays it through
-    ``pending`` in its own pass, settle_2bit pays it alone: three steps of that give
+    ``pending`` in its own pass, settle_2bit pays it alone: four steps of that give
     the eager chain's codes, stats and residual bit for bit, NaN/Inf/-0 included."""
     n = int(np.prod(shape))
-    steps = [data(shape, seed=40 + k, dtype=dtype) for k in range(3)]
-    r0 = steps[0][1].copy()
+    steps = [data(shape, seed=40 + k, dtype=dtype)[0] for k in range(4)]
+    r0 = data(shape, seed=40, dtype=dtype)[1]
     r0.reshape(-1)[::3] = -0.0
+    steps[2].reshape(-1)[::4] = 0
     if n >= 17:
-        steps[1][0].reshape(-1)[[0, 16]] = [np.nan, -np.inf]
-    eager, deferred = nd(r0), nd(r0)
-    owed = None
-    for k, (g, _) in enumerate(steps):
-        t = 0.7 - 0.1 * k
-        before = deferred.asnumpy() if owed is None else None
-        codes_e, stats_e = quant_impl.quantize_2bit(nd(g), eager, t)
-        codes_d, stats_d = quant_impl.quantize_2bit(nd(g), deferred, t, pending=owed, defer=True)
-        np.testing.assert_array_equal(codes_d.asnumpy(), codes_e.asnumpy())
-        assert bits(stats_d.asnumpy()).tolist() == bits(stats_e.asnumpy()).tolist()
-        if before is not None:       # nothing owed before: residual <- a, old r if not finite
-            with np.errstate(invalid="ignore", over="ignore"):
-                a = g.astype(F32) + before
-            want = np.where(np.isfinite(a), a, before).astype(F32)
-            np.testing.assert_array_equal(bits(deferred.asnumpy()), bits(want))
-        owed = (codes_d, stats_d.asnumpy()[2])
-    assert quant_impl.settle_2bit(owed[0], owed[1], deferred) is deferred
-    np.testing.assert_array_equal(bits(deferred.asnumpy()), bits(eager.asnumpy()))
+        steps[1].reshape(-1)[[0, 16]] = [np.nan, -np.inf]
+    thresholds = [0.7, 0.6, 0.5, 0.4]
+    eager, want = nd(r0), []
+    for g, t in zip(steps, thresholds):
+        codes, stats = quant_impl.quantize_2bit(nd(g), eager, t)
+        want.append((codes.asnumpy(), stats.asnumpy()))
+    got, residual = deferred_chain(quant_impl, steps, r0, thresholds)
+    for (cg, sg), (cw, sw) in zip(got, want):
+        np.testing.assert_array_equal(cg, cw)
+        assert bits(sg).tolist() == bits(sw).tolist()
+    np.testing.assert_array_equal(bits(residual), bits(eager.asnumpy()))
+    # nothing owed before the first call: residual <- a, the old r where a is not finite
+    res = nd(r0)
+    quant_impl.quantize_2bit(nd(steps[0]), res, 0.7, defer=True)
+    with np.errstate(invalid="ignore", over="ignore"):
+        a = steps[0].astype(F32) + r0
+    np.testing.assert_array_equal(bits(res.asnumpy()), bits(np.where(np.isfinite(a), a, r0)))
 
 
-def test_quantize_pending_ignores_the_tail_bits(quant_impl):
-    """The unused bits of the pending tail word (n % 16 != 0) owe nothing."""
-    g, r = data((17,), seed=5)
-    dirty = np.array([0, -3], np.int32)          # element 16 owes +v (code 1), the rest garbage
-    clean = np.array([0, 1], np.int32)           # element 16 owes +v only
-    res_a, res_b = nd(r), nd(r)
-    ca, sa = quant_impl.quantize_2bit(nd(g), res_a, 0.5, pending=(nd(dirty), 0.25))
-    cb, sb = quant_impl.quantize_2bit(nd(g), res_b, 0.5, pending=(nd(clean), 0.25))
-    np.testing.assert_array_equal(ca.asnumpy(), cb.asnumpy())
-    np.testing.assert_array_equal(bits(res_a.asnumpy()), bits(res_b.asnumpy()))
-    np.testing.assert_array_equal(bits(sa.asnumpy()), bits(sb.asnumpy()))
-    r_paid = r.copy()
-    r_paid[16] = r[16] - F32(0.25)                # word 0 is 0 (owes nothing); element 16
-    want_codes, want_r, _ = np_quantize(g, r_paid, 0.5, sa.asnumpy()[2])
-    np.testing.assert_array_equal(ca.asnumpy(), want_codes)
-    np.testing.assert_array_equal(bits(res_a.asnumpy()), bits(want_r))
+def test_quantize_pending_owes_by_the_residual_sign(quant_impl):
+    """pending=(t, v): where |r| >= t the residual owes +-v by its sign, elsewhere
+    nothing (against numpy, at the threshold's edge and at -0)."""
+    g, r = data((50,), seed=5)
+    r[:6] = [0.5, -0.5, np.nextafter(F32(0.5), F32(0)), -0.0, 0.0, 2.0]
+    res = nd(r)
+    codes, stats = quant_impl.quantize_2bit(nd(g), res, 0.3, pending=(0.5, 0.25))
+    owed = np.where(np.abs(r) >= F32(0.5), np.where(r > 0, F32(0.25), F32(-0.25)), F32(0))
+    paid = (r - owed.astype(F32)).astype(F32)
+    want_codes, want_r, _ = np_quantize(g, paid, 0.3, stats.asnumpy()[2])
+    np.testing.assert_array_equal(codes.asnumpy(), want_codes)
+    np.testing.assert_array_equal(bits(res.asnumpy()), bits(want_r))
 
 
 def test_pending_validation_errors(impl):
     g, r = nd(np.ones(20, F32)), nd(np.zeros(20, F32))
-    with pytest.raises(TypeError, match="pending must be a \\(codes, value\\) pair"):
+    with pytest.raises(TypeError, match="pending must be the \\(threshold, value\\) pair"):
         impl.quantize_2bit(g, r, 1.0, pending=nd(np.zeros(2, np.int32)))
-    with pytest.raises(ValueError, match="codes must have shape \\(2,\\) for 20 elements"):
-        impl.quantize_2bit(g, r, 1.0, pending=(nd(np.zeros(3, np.int32)), 1.0))
+    with pytest.raises(ValueError, match="pending threshold must be finite and > 0"):
+        impl.quantize_2bit(g, r, 1.0, pending=(0.0, 1.0))
     with pytest.raises(ValueError, match="pending value must be finite and > 0"):
-        impl.quantize_2bit(g, r, 1.0, pending=(nd(np.zeros(2, np.int32)), 0.0))
+        impl.quantize_2bit(g, r, 1.0, pending=(1.0, float("inf")))
     with pytest.raises(ValueError, match="settle_2bit: codes must have shape"):
         impl.settle_2bit(nd(np.zeros(1, np.int32)), 1.0, r)
     with pytest.raises(ValueError, match="settle_2bit: value must be finite"):
@@ -867,15 +881,15 @@ def isa_child(path):
             out[name + "/residual"] = res.asnumpy()
             out[name + "/stats"] = stats.asnumpy()
             out[name + "/l1_stats"] = ops.l1_stats(nd(x), nd(y)).asnumpy()
-            # two deferred steps (the second pays the first's debt), then settled
+            # the store's chain: two deferred steps (the second pays the first's debt,
+            # or the first is settled by its codes if it saw a non-finite a)
             res = nd(y)
             c1, s1 = ops.quantize_2bit(nd(x), res, p, defer=True)
             out[name + "/deferred_residual"] = res.asnumpy()
-            c2, s2 = ops.quantize_2bit(nd(x), res, p, pending=(c1, s1.asnumpy()[2]), defer=True)
-            ops.settle_2bit(c2, s2.asnumpy()[2], res)
-            out[name + "/chain_codes"] = c2.asnumpy()
-            out[name + "/chain_stats"] = s2.asnumpy()
-            out[name + "/chain_residual"] = res.asnumpy()
+            (_, _), (c2, s2) = deferred_chain(ops, [x, x], y, [p, p])[0]
+            out[name + "/chain_codes"] = c2
+            out[name + "/chain_stats"] = s2
+            out[name + "/chain_residual"] = deferred_chain(ops, [x, x], y, [p, p])[1]
         elif op == "dequantize":
             n = y.size
             out[name + "/decoded"] = ops.dequantize_2bit(nd(x), p, (n,)).asnumpy()

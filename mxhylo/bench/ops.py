@@ -148,7 +148,7 @@ def _cases(mx, ops, ref, n, cfg):
     residual = mx.nd.zeros((n,))
     t = float(np.float32(np.abs(grad_np).mean()))
     codes, stats = ops.quantize_2bit(grad, mx.nd.zeros((n,)), t)
-    owed = (codes, float(stats.asnumpy()[2]))   # what the store's quantize pays each step
+    owed = (t, float(stats.asnumpy()[2]))   # what the store's quantize pays each step
     out = mx.nd.zeros((n,))
 
     rows = n // cfg["filter"]
@@ -170,7 +170,7 @@ def _cases(mx, ops, ref, n, cfg):
             lambda m: m.quantize_2bit(grad16, residual, t, pending=owed, defer=True)),
         # nothing owed in or out: the value's second pass (= quantize, then settle_2bit)
         "quantize_2bit_eager": pair(lambda m: m.quantize_2bit(grad, residual, t)),
-        "settle_2bit": pair(lambda m: m.settle_2bit(codes, owed[1], residual)),
+        "settle_2bit": pair(lambda m: m.settle_2bit(codes, owed[1], residual)),  # by codes
         "l1_stats": pair(lambda m: m.l1_stats(grad, residual)),
         "dequantize_2bit": pair(lambda m: m.dequantize_2bit(codes, t, (n,), out=out)),
         "dequantize_2bit_accumulate": pair(
@@ -201,11 +201,12 @@ def edge_digest(mx, ops):
         res = mx.nd.array(r)
         codes, stats = ops.quantize_2bit(mx.nd.array(g, dtype=dtype), res, 0.3)
         add(codes, res, stats, ops.l1_stats(mx.nd.array(g, dtype=dtype), mx.nd.array(r)))
-        deferred = mx.nd.array(r)   # the store's chain: two deferred steps
-        c1, s1 = ops.quantize_2bit(mx.nd.array(g, dtype=dtype), deferred, 0.3, defer=True)
-        c2, s2 = ops.quantize_2bit(mx.nd.array(g, dtype=dtype), deferred, 0.3,
-                                   pending=(c1, float(s1.asnumpy()[2])), defer=True)
-        add(c1, s1, c2, s2, deferred)
+        finite = mx.nd.array(np.nan_to_num(g, posinf=0, neginf=0), dtype=dtype)
+        deferred = mx.nd.array(r)   # the store's chain: two deferred steps, then settled
+        c1, s1 = ops.quantize_2bit(finite, deferred, 0.3, defer=True)
+        c2, s2 = ops.quantize_2bit(finite, deferred, 0.3,
+                                   pending=(0.3, float(s1.asnumpy()[2])), defer=True)
+        add(c1, s1, c2, s2, deferred, ops.settle_2bit(c2, float(s2.asnumpy()[2]), deferred))
         add(ops.dequantize_2bit(codes, 0.3, (n,)))
         rows = max(1, n // 9)
         g2 = g[:rows * 9].reshape(rows, 9) if n >= 9 else g.reshape(n, 1)

@@ -3,8 +3,8 @@
 // mx.library.load(); the ops then appear as mx.nd.hylo_*.
 //
 // Operators (all CPU, dense, float32 unless stated; n = elements of grad):
-//   hylo_quantize_2bit(grad f32|f16, residual f32 [mutated][, pending codes int32];
-//                      threshold[, value][, pending_value][, defer])
+//   hylo_quantize_2bit(grad f32|f16, residual f32 [mutated];
+//                      threshold[, value][, pending_threshold, pending_value][, defer])
 //       -> codes int32 (ceil(n/16),), stats f32 (3,)
 //   hylo_settle_2bit(codes int32, residual f32; value) -> residual - decoded
 //   hylo_l1_stats(grad f32|f16, residual f32) -> stats f32 (2,)
@@ -277,25 +277,22 @@ HYLO_INLINE uint32_t pack_word(vi* c) {  // c[v] holds codes kW*v .. kW*v + kW-1
   return fold_lanes(c[0]);
 }
 
-// The owed q of a pending code word (an earlier deferred quantize's), lanes
-// kW*v .. kW*v + kW-1: +pv for code 1, -pv for code 2, +0 for 0 and 3 (as
-// dequantize decodes them). Each lane tests its two bits against constant
-// masks (no per-lane shifts: SSE2 has none, and they cost more elsewhere).
-HYLO_INLINE vf owed(uint32_t word, int v, vf pval, vf npval) {
-  vi lo_bit, hi_bit;
-  for (int j = 0; j < kW; ++j) {
-    lo_bit[j] = static_cast<int32_t>(1u << (2 * (kW * v + j)));
-    hi_bit[j] = static_cast<int32_t>(2u << (2 * (kW * v + j)));
-  }
-  const vi w = vi{} + static_cast<int32_t>(word);
-  const vi lo_clear = (w & lo_bit) == 0, hi_clear = (w & hi_bit) == 0;
-  const vi pos = hi_clear & ~lo_clear, neg = lo_clear & ~hi_clear;
-  return pos ? pval : (neg ? npval : vf{});  // lane selects (blends where the ISA has them)
+// What an earlier deferred quantize (threshold pt, value pv) owes on a stored
+// residual lane r: that call stored r = a where it read a finite a, and sent
+// exactly the elements with |a| >= pt, as +-pv by a's sign; so it owes
+// copysign(pv, r) where |r| >= pt, and +0 elsewhere. Valid when that call saw
+// no non-finite a (it stored the old r there, which owes nothing): the caller
+// settles such a call by its codes instead (hylo_settle_2bit).
+HYLO_INLINE vf owed(vf r, vf pt, vf pval) {
+  const vi kAbs = vi{} + 0x7fffffff;
+  const vi ri = as_int(r);
+  const vi owes = as_float(ri & kAbs) >= pt;
+  return owes ? as_float((ri & ~kAbs) | as_int(pval)) : vf{};
 }
 
 // Sixteen elements (one code word). With kPending, the residual first pays
-// what an earlier deferred call owes: r <- r - q_prev (q_prev from the code
-// word `prev` and its value pval; r - (+0) keeps r bit for bit, -0 included).
+// what an earlier deferred call owes: r <- r - q_prev (q_prev = owed(r, pt,
+// pval); r - (+0) keeps r bit for bit, -0 included).
 // Then a = g + r; |a| of finite a into acc[v], non-finite counts into bad[v]
 // (-1 per element); with kWrite, the residual <- a (finite a; the old r
 // otherwise) and the |a| of the elements sent (|a| >= t) into sacc[v], their
@@ -303,14 +300,14 @@ HYLO_INLINE vf owed(uint32_t word, int v, vf pval, vf npval) {
 // code word, once the value is known (deferred: at the next call, or settle).
 // +v for a >= t, -v for a <= -t: the decision is the threshold's.
 template <bool kWrite, bool kPending>
-HYLO_INLINE uint32_t quantize_word(const float* g, float* r, vf t, vf nt, uint32_t prev,
-                                   vf pval, vf npval, vf* acc, vi* bad, vf* sacc, vi* scnt) {
+HYLO_INLINE uint32_t quantize_word(const float* g, float* r, vf t, vf nt, vf pt, vf pval,
+                                   vf* acc, vi* bad, vf* sacc, vi* scnt) {
   const vi kAbs = vi{} + 0x7fffffff;
   const vf fmax = vf{} + FLT_MAX;
   vi c[kV];
   for (int v = 0; v < kV; ++v) {
     vf r0 = loadv(r + kW * v);
-    if (kPending) r0 = r0 - owed(prev, v, pval, npval);
+    if (kPending) r0 = r0 - owed(r0, pt, pval);
     const vf a = loadv(g + kW * v) + r0;
     const vi absi = as_int(a) & kAbs;
     const vi fin = as_float(absi) <= fmax;  // -1, or 0 for NaN and +-Inf
@@ -354,10 +351,10 @@ HYLO_INLINE float reduce_lanes(const vf* acc, const vi* cnt, int64_t* count) {
 // order of the header comment. kWrite = false: statistics only, r unchanged.
 template <typename T, bool kWrite, bool kPending>
 float quantize_all(const T* g, float* r, uint32_t* codes, int64_t n, float t,
-                   const uint32_t* pending, float pending_value, float* stats) {
+                   float pending_threshold, float pending_value, float* stats) {
   float gbuf[kChunk];  // fp16 chunk as float32
   const vf tv = vf{} + t, ntv = vf{} - t;
-  const vf pv = vf{} + pending_value, npv = vf{} - pending_value;
+  const vf ptv = vf{} + pending_threshold, pv = vf{} + pending_value;
   double l1 = 0.0, sent_total = 0.0;
   int64_t nbad = 0, nsent = 0;
   for (int64_t e0 = 0; e0 < n; e0 += kChunk) {
@@ -365,7 +362,6 @@ float quantize_all(const T* g, float* r, uint32_t* codes, int64_t n, float t,
     const float* gf = as_float(g + e0, m, gbuf);
     float* rr = r + e0;
     uint32_t* cc = kWrite ? codes + e0 / 16 : nullptr;
-    const uint32_t* pc = kPending ? pending + e0 / 16 : nullptr;
     vf acc[kV], sacc[kV];
     vi bad[kV], scnt[kV];
     for (int v = 0; v < kV; ++v) {
@@ -374,17 +370,16 @@ float quantize_all(const T* g, float* r, uint32_t* codes, int64_t n, float t,
     }
     int64_t i = 0;
     for (; i + 16 <= m; i += 16) {
-      const uint32_t word = quantize_word<kWrite, kPending>(
-          gf + i, rr + i, tv, ntv, kPending ? pc[i / 16] : 0u, pv, npv, acc, bad, sacc, scnt);
+      const uint32_t word = quantize_word<kWrite, kPending>(gf + i, rr + i, tv, ntv, ptv, pv,
+                                                            acc, bad, sacc, scnt);
       if (kWrite) cc[i / 16] = word;
     }
     if (i < m) {  // last word: the zero padding is finite, has code 0 and adds +0
       float gt[16] = {0.f}, rt[16] = {0.f};
       std::memcpy(gt, gf + i, (m - i) * sizeof(float));
       std::memcpy(rt, rr + i, (m - i) * sizeof(float));
-      // the padding owes nothing, whatever the pending word's unused bits hold
-      const uint32_t prev = kPending ? pc[i / 16] & ((1u << (2 * (m - i))) - 1u) : 0u;
-      const uint32_t word = quantize_word<kWrite, kPending>(gt, rt, tv, ntv, prev, pv, npv,
+      // (the padding's residual is +0: it owes nothing)
+      const uint32_t word = quantize_word<kWrite, kPending>(gt, rt, tv, ntv, ptv, pv,
                                                             acc, bad, sacc, scnt);
       if (kWrite) {
         std::memcpy(rr + i, rt, (m - i) * sizeof(float));
@@ -402,17 +397,18 @@ float quantize_all(const T* g, float* r, uint32_t* codes, int64_t n, float t,
 }
 
 // Attributes: 'value' (a float > 0) is the magnitude sent, by default the
-// mean |a| of the elements sent; 'pending_value' (a float > 0) says a third
-// input holds the codes an earlier deferred call left owed, sent with that
-// value; 'defer' ("1") leaves this call's q owed (residual <- a, one pass),
-// by default the op pays it in a second pass (residual <- a - q).
+// mean |a| of the elements sent; 'pending_threshold' and 'pending_value'
+// (floats > 0, both or neither) are those of an earlier deferred call on this
+// residual that saw no non-finite a, whose owed q this call pays first;
+// 'defer' ("1") leaves this call's q owed (residual <- a, one pass), by
+// default the op pays it in a second pass (residual <- a - q).
 bool parse_optional_float(const Attrs& attrs, const char* key, bool* given, float* v) {
   *given = attrs.count(key) > 0;
   return !*given || parse_float(attrs, key, true, v);
 }
 
 struct QuantizeAttrs {
-  float t = 0.f, value = 0.f, pending_value = 0.f;
+  float t = 0.f, value = 0.f, pending_threshold = 0.f, pending_value = 0.f;
   bool value_given = false, pending = false, defer = false;
 };
 
@@ -421,6 +417,13 @@ bool parse_quantize(const Attrs& attrs, QuantizeAttrs* q) {
       !parse_optional_float(attrs, "value", &q->value_given, &q->value) ||
       !parse_optional_float(attrs, "pending_value", &q->pending, &q->pending_value))
     return false;
+  bool pending_t = false;
+  if (!parse_optional_float(attrs, "pending_threshold", &pending_t, &q->pending_threshold))
+    return false;
+  if (pending_t != q->pending) {
+    MX_ERROR_MSG << "attributes 'pending_threshold' and 'pending_value' go together";
+    return false;
+  }
   if (attrs.count("defer")) {
     const std::string& d = attrs.at("defer");
     if (d != "0" && d != "1") {
@@ -435,7 +438,7 @@ bool parse_quantize(const Attrs& attrs, QuantizeAttrs* q) {
 MXReturnValue quantize_parse(const Attrs& attrs, int* nin, int* nout) {
   QuantizeAttrs q;
   if (!parse_quantize(attrs, &q)) return MX_FAIL;
-  *nin = q.pending ? 3 : 2;
+  *nin = 2;
   *nout = 2;
   return MX_SUCCESS;
 }
@@ -459,10 +462,6 @@ bool grad_residual_shapes(const std::vector<std::vector<unsigned int> >& in, con
 
 MXReturnValue quantize_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
   if (!grad_residual_types(*in, "hylo_quantize_2bit")) return MX_FAIL;
-  if (in->size() == 3 && (*in)[2] != kInt32) {
-    MX_ERROR_MSG << "hylo_quantize_2bit: pending codes must be int32";
-    return MX_FAIL;
-  }
   (*out)[0] = kInt32;
   (*out)[1] = kFloat32;
   return MX_SUCCESS;
@@ -479,10 +478,8 @@ bool check_codes(const std::vector<unsigned int>& codes, int64_t n, const char* 
 
 MXReturnValue quantize_shape(const Attrs&, std::vector<std::vector<unsigned int> >* in,
                              std::vector<std::vector<unsigned int> >* out) {
-  std::vector<std::vector<unsigned int> > gr(in->begin(), in->begin() + std::min<size_t>(2, in->size()));
-  if (!grad_residual_shapes(gr, "hylo_quantize_2bit")) return MX_FAIL;
+  if (!grad_residual_shapes(*in, "hylo_quantize_2bit")) return MX_FAIL;
   const int64_t n = shape_size((*in)[0]);
-  if (in->size() == 3 && !check_codes((*in)[2], n, "hylo_quantize_2bit (pending)")) return MX_FAIL;
   (*out)[0] = dims({(n + 15) / 16});
   (*out)[1] = dims({3});
   return MX_SUCCESS;
@@ -492,10 +489,10 @@ void settle_all(const uint32_t* codes, float* r, int64_t n, float value);
 
 template <typename T>
 float quantize_any(const T* g, float* r, uint32_t* codes, int64_t n, const QuantizeAttrs& q,
-                   const uint32_t* pending, float* stats) {
-  return q.pending
-      ? quantize_all<T, true, true>(g, r, codes, n, q.t, pending, q.pending_value, stats)
-      : quantize_all<T, true, false>(g, r, codes, n, q.t, nullptr, 0.f, stats);
+                   float* stats) {
+  return q.pending ? quantize_all<T, true, true>(g, r, codes, n, q.t, q.pending_threshold,
+                                                 q.pending_value, stats)
+                   : quantize_all<T, true, false>(g, r, codes, n, q.t, 0.f, 0.f, stats);
 }
 
 MXReturnValue quantize_forward(const Attrs& attrs, std::vector<MXTensor>* in,
@@ -504,13 +501,12 @@ MXReturnValue quantize_forward(const Attrs& attrs, std::vector<MXTensor>* in,
   if (!parse_quantize(attrs, &q)) return MX_FAIL;
   MXTensor& g = (*in)[0];
   float* r = (*in)[1].data<float>();
-  const uint32_t* pending = q.pending ? (*in)[2].data<uint32_t>() : nullptr;
   uint32_t* codes = (*out)[0].data<uint32_t>();
   float* stats = (*out)[1].data<float>();
   const int64_t n = g.size();
   const float mean = g.dtype == kFloat16
-      ? quantize_any(g.data<uint16_t>(), r, codes, n, q, pending, stats)
-      : quantize_any(g.data<float>(), r, codes, n, q, pending, stats);
+      ? quantize_any(g.data<uint16_t>(), r, codes, n, q, stats)
+      : quantize_any(g.data<float>(), r, codes, n, q, stats);
   const float v = q.value_given ? q.value : mean;
   if (!q.defer) settle_all(codes, r, n, v);
   stats[2] = v;
@@ -544,10 +540,9 @@ MXReturnValue stats_forward(const Attrs&, std::vector<MXTensor>* in,
   const int64_t n = g.size();
   // t only matters for writes; any positive value will do.
   if (g.dtype == kFloat16)
-    quantize_all<uint16_t, false, false>(g.data<uint16_t>(), r, nullptr, n, 1.f, nullptr, 0.f,
-                                         stats);
+    quantize_all<uint16_t, false, false>(g.data<uint16_t>(), r, nullptr, n, 1.f, 0.f, 0.f, stats);
   else
-    quantize_all<float, false, false>(g.data<float>(), r, nullptr, n, 1.f, nullptr, 0.f, stats);
+    quantize_all<float, false, false>(g.data<float>(), r, nullptr, n, 1.f, 0.f, 0.f, stats);
   return MX_SUCCESS;
 }
 
