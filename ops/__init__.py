@@ -30,8 +30,9 @@ import numpy as np
 
 from . import _checks, _cpp, build, reference
 
-__all__ = ["backend", "quantize_2bit", "settle_2bit", "l1_stats", "dequantize_2bit", "select_kernels",
-           "scatter_kernels", "momentum_velocity", "momentum_correct", "set_num_threads", "reference", "build"]
+__all__ = ["backend", "quantize_2bit", "settle_2bit", "l1_stats", "dequantize_2bit",
+           "select_kernels", "scatter_kernels", "momentum_velocity", "momentum_correct",
+           "set_num_threads", "reference", "build"]
 
 _lock = threading.Lock()
 _backend = []  # [name] once resolved
