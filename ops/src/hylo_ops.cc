@@ -573,7 +573,7 @@ void dequantize_all(const uint32_t* codes, float* out, int64_t n, float t) {
 }
 
 void settle_all(const uint32_t* codes, float* r, int64_t n, float value) {
-  dequantize_all<2>(codes, r, n, value);
+  dequantize_all<2>(codes, r, n, value);  // r - (+0) keeps r: -0 stays -0
 }
 
 bool parse_value(const Attrs& attrs, float* t) {
@@ -630,47 +630,34 @@ MXReturnValue deq_add_parse(const Attrs& attrs, int* nin, int* nout) {
   return MX_SUCCESS;
 }
 
-MXReturnValue deq_add_shape(const Attrs&, std::vector<std::vector<unsigned int> >* in,
-                            std::vector<std::vector<unsigned int> >* out) {
-  if (!expect_inputs(*in, 2, "hylo_dequantize_2bit_add") ||
-      !check_codes((*in)[0], shape_size((*in)[1]), "hylo_dequantize_2bit_add"))
+// The in-place decoders, called with out=acc (MXNet then hands the same buffer
+// as input and output): kMode 1 hylo_dequantize_2bit_add (acc + decoded), 2
+// hylo_settle_2bit (residual - decoded: what a deferred quantize owes).
+template <int kMode>
+const char* inplace_name() {
+  return kMode == 1 ? "hylo_dequantize_2bit_add" : "hylo_settle_2bit";
+}
+
+template <int kMode>
+MXReturnValue deq_inplace_shape(const Attrs&, std::vector<std::vector<unsigned int> >* in,
+                                std::vector<std::vector<unsigned int> >* out) {
+  if (!expect_inputs(*in, 2, inplace_name<kMode>()) ||
+      !check_codes((*in)[0], shape_size((*in)[1]), inplace_name<kMode>()))
     return MX_FAIL;
   (*out)[0] = (*in)[1];
   return MX_SUCCESS;
 }
 
-MXReturnValue deq_add_forward(const Attrs& attrs, std::vector<MXTensor>* in,
-                              std::vector<MXTensor>* out, const OpResource&) {
+template <int kMode>
+MXReturnValue deq_inplace_forward(const Attrs& attrs, std::vector<MXTensor>* in,
+                                  std::vector<MXTensor>* out, const OpResource&) {
   float t;
   if (!parse_value(attrs, &t)) return MX_FAIL;
   const float* acc = (*in)[1].data<float>();
   float* o = (*out)[0].data<float>();
   const int64_t n = (*out)[0].size();
   if (o != acc) std::memcpy(o, acc, n * sizeof(float));  // called without out=acc
-  dequantize_all<1>((*in)[0].data<uint32_t>(), o, n, t);
-  return MX_SUCCESS;
-}
-
-// hylo_settle_2bit(codes, residual; value): residual - decoded, what a
-// deferred quantize owes (called with out=residual: in place).
-MXReturnValue settle_shape(const Attrs&, std::vector<std::vector<unsigned int> >* in,
-                           std::vector<std::vector<unsigned int> >* out) {
-  if (!expect_inputs(*in, 2, "hylo_settle_2bit") ||
-      !check_codes((*in)[0], shape_size((*in)[1]), "hylo_settle_2bit"))
-    return MX_FAIL;
-  (*out)[0] = (*in)[1];
-  return MX_SUCCESS;
-}
-
-MXReturnValue settle_forward(const Attrs& attrs, std::vector<MXTensor>* in,
-                             std::vector<MXTensor>* out, const OpResource&) {
-  float t;
-  if (!parse_value(attrs, &t)) return MX_FAIL;
-  const float* r = (*in)[1].data<float>();
-  float* o = (*out)[0].data<float>();
-  const int64_t n = (*out)[0].size();
-  if (o != r) std::memcpy(o, r, n * sizeof(float));  // called without out=residual
-  settle_all((*in)[0].data<uint32_t>(), o, n, t);
+  dequantize_all<kMode>((*in)[0].data<uint32_t>(), o, n, t);
   return MX_SUCCESS;
 }
 
@@ -1185,14 +1172,14 @@ REGISTER_OP(hylo_dequantize_2bit)
 REGISTER_OP(hylo_dequantize_2bit_add)
     .setParseAttrs(deq_add_parse)
     .setInferType(deq_type)
-    .setInferShape(deq_add_shape)
-    .setForward(deq_add_forward, "cpu");
+    .setInferShape(deq_inplace_shape<1>)
+    .setForward(deq_inplace_forward<1>, "cpu");
 
 REGISTER_OP(hylo_settle_2bit)
     .setParseAttrs(deq_add_parse)
     .setInferType(deq_type)
-    .setInferShape(settle_shape)
-    .setForward(settle_forward, "cpu");
+    .setInferShape(deq_inplace_shape<2>)
+    .setForward(deq_inplace_forward<2>, "cpu");
 
 REGISTER_OP(hylo_select_kernels)
     .setParseAttrs(select_parse)
