@@ -444,7 +444,7 @@ MXReturnValue quantize_parse(const Attrs& attrs, int* nin, int* nout) {
 }
 
 bool grad_residual_types(const std::vector<int>& in, const char* op) {
-  if (in.size() < 2 || !is_grad_type(in[0]) || in[1] != kFloat32) {
+  if (in.size() != 2 || !is_grad_type(in[0]) || in[1] != kFloat32) {
     MX_ERROR_MSG << op << ": grad must be float32 or float16 and residual float32";
     return false;
   }
