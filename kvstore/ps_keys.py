@@ -186,7 +186,7 @@ class KeyTable:
                 keys.append(pskey)
                 values.append(mx.nd.zeros(chunk.key_shape, ctx=mx.cpu()))
         for chunk in layouts:
-            pskey, server = self._place(4 * chunk.size)
+            pskey, server = self._place(chunk.wire_nbytes)
             chunk = dataclasses.replace(chunk, server=server)
             chunks.append(Chunk(pskey, chunk))
             self.layouts[pskey] = (layer.plan.name, chunk)

@@ -22,8 +22,8 @@ from .ps_checkpoint import ServerCheckpoint
 from .ps_keys import Chunk, KeyTable, bucket_signature
 from .transport import Traffic, Transport
 from .watchdog import StallWatchdog
-from .wire import (DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, ROW_ID_BYTES, ChunkLayout,
-                   empty_push, gather_payloads, pull_payload, push_slot, push_rows)
+from .wire import (BIGARRAY_BOUND, DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, ROW_ID_BYTES,
+                   ChunkLayout, empty_push, gather_payloads, pull_payload, push_slot, push_rows)
 
 DEFAULT_BUCKET_BYTES = 2 << 20     # = DEFAULT_CHUNK_ELEMENTS float32 values
 
@@ -88,6 +88,26 @@ def _leave_at_once_on_uncaught_exception():
 
 
 
+def _native_store_unsplit():
+    """This worker's native 'dist_sync' store, which never splits a key over servers.
+
+    MXNet cuts a key of MXNET_KVSTORE_BIGARRAY_BOUND elements or more into row ranges
+    over all servers; hylo places its keys itself (kvstore.ps_keys) and a 'gather' rows
+    key must stay whole (kvstore.wire). The bound is read once, when the store is made,
+    so it is lifted for that moment only: a store the user makes stays as configured.
+    """
+    name = "MXNET_KVSTORE_BIGARRAY_BOUND"
+    before = os.environ.get(name)
+    os.environ[name] = str(BIGARRAY_BOUND)
+    try:
+        return mx.kv.create("dist_sync")
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
 class PSTransport(Transport):
     """Moves hylo payloads through a native 'dist_sync' KVStore of this worker.
 
@@ -114,7 +134,7 @@ class PSTransport(Transport):
             raise RuntimeError("the hylo parameter-server transport runs in MXNet worker "
                                "processes (DMLC_ROLE=worker), started by python -m "
                                "mxhylo.launch or MXNet's tools/launch.py")
-        self.kv = mx.kv.create("dist_sync")
+        self.kv = _native_store_unsplit()
         _leave_at_once_on_uncaught_exception()
         self.rank = self.kv.rank
         self.num_workers = self.kv.num_workers

@@ -15,10 +15,10 @@ payloads are laid out so that this sum does exactly what Hylo's server must do:
   only those rows; the slots do not overlap, so the server's sum gathers every
   worker's payload unchanged, and the server-side decoder (kvstore.server) decodes
   each slot with the chunk's codec: first the payload's header scalars (fc_2bit: the
-  worker's own threshold), then its bytes. Bytes travel as 24-bit integers in float32
-  values (12 two-bit codes per value): every integer below 2**24 is exact in float32,
-  so adding the zeros of other slots cannot alter a payload, which raw bit patterns
-  (NaN, denormals) could not promise.
+  worker's own threshold), then its bytes. Bytes travel 30 bits per float32 value (15
+  two-bit codes), each value a normal float32 (pack_bytes): a normal number plus zero
+  is itself, bit for bit, so adding the zeros of other slots cannot alter a payload,
+  which raw bit patterns (NaN, denormals) could not promise.
 
 The server stores what the workers pull as a row_sparse array whose rows are listed
 explicitly from row 0 (zero rows included: MXNet's dense-to-row_sparse conversion would
@@ -59,12 +59,16 @@ PULL_CODECS = ("none", "gather", "fc_2bit", "conv_topk")   # codec names, and ga
 
 # Largest chunk, in gradient elements. MXNet splits keys of 1e6 elements or more over
 # all servers by row ranges, which would cut workers' slots apart; hylo cuts large
-# layers itself, into chunks it places on servers one by one (load balance).
+# layers itself, into chunks it places on servers one by one (load balance), and lifts
+# that bound for its own store (BIGARRAY_BOUND; kvstore.transport_ps) so that a
+# 'gather' rows chunk of any size stays one key. Dense and slots chunks stay under
+# 1e6 elements all the same: many pieces spread a large layer over the servers.
 ROW_DATA = 1024                          # columns of a 2-bit chunk's rows
 DEFAULT_CHUNK_ELEMENTS = 976 * ROW_DATA  # a whole number of rows, under 1e6
 # Layers of at least this many elements are spread evenly over all servers.
 DEFAULT_SPLIT_MIN = 1 << 18
-BYTES_PER_VALUE = 3           # payload bytes per float32 value (24-bit integers)
+BIGARRAY_BOUND = (1 << 31) - 1  # MXNET_KVSTORE_BIGARRAY_BOUND of hylo's store (an int): no split
+_WORD_MASK = (1 << 30) - 1    # pack_bytes: 30 payload bits per float32 value
 PIECE_UNIT = 16               # pieces of a layer start at multiples of this (a 2-bit word)
 # the codecs' layout facts (wire, scalars, byte spans; kvstore.codec), by strategy name
 _CODECS = make_compressors()
@@ -132,6 +136,14 @@ class ChunkLayout:
         return self.dense_rows
 
     @property
+    def wire_nbytes(self):
+        """Bytes of this chunk a server sends each worker per step at most (what placing
+        balances): the dense aggregate, or the compressed pull's rows."""
+        if self.kind == "dense" or self.pull == "none":
+            return 4 * self.size
+        return 4 * self.cols * self.pull_rows
+
+    @property
     def state_values(self):
         """float32 values of the server's state of this chunk: residual, then scalars."""
         return self.size + (1 if self.pull == "fc_2bit" else 0)
@@ -142,8 +154,8 @@ class ChunkLayout:
 
 
 def slot_values(n_bytes):
-    """float32 values that carry n_bytes of a payload (as 24-bit integers)."""
-    return -(-n_bytes // BYTES_PER_VALUE)
+    """float32 values that carry n_bytes of a payload (pack_bytes: 15 bytes in 4)."""
+    return 4 * -(-n_bytes // 15)
 
 
 def _pieces(n, chunk_elements, num_servers, split_min, unit, wire_fraction=1.0):
@@ -184,11 +196,20 @@ def plan_chunks(strategy, shape, num_workers, num_servers=1,
         pull_fraction = {"none": 1.0, "fc_2bit": 1.0 / 16, "conv_topk": pull_rate or 1.0,
                          "gather": min(1.0, num_workers * (pull_rate or 0.1))}[pull]
         wire_fraction = max(pull_fraction, pull_rate or 0.1)
+        if pull == "gather":
+            # one key: a gather pull carries at most W * push_k filters per key, so
+            # every piece would pull that many (rows past the count are zeros) and p
+            # pieces would pull p times the bound. Whole layers balance the servers well
+            # enough, and the store's keys are never split by MXNet (its big-array
+            # bound is lifted, kvstore.transport_ps).
+            pieces = [(0, n)]
+        else:
+            pieces = _pieces(n, max(chunk_elements, per_filter), num_servers, split_min,
+                             per_filter, wire_fraction)
         layouts = [ChunkLayout("rows", lo // per_filter, hi // per_filter, hi - lo,
                                cols=per_filter, rows=(hi - lo) // per_filter,
                                dense_rows=(hi - lo) // per_filter)
-                   for lo, hi in _pieces(n, max(chunk_elements, per_filter), num_servers,
-                                         split_min, per_filter, wire_fraction)]
+                   for lo, hi in pieces]
     else:
         pieces = _pieces(n, chunk_elements, num_servers, split_min, PIECE_UNIT)
         codec = _CODECS[strategy]
@@ -493,17 +514,45 @@ def blob_payloads(data, shape):
 
 
 def pack_bytes(data):
-    """Payload bytes (uint8) -> float32 24-bit integers (little-endian, 3 bytes each)."""
-    pad = (-len(data)) % BYTES_PER_VALUE
-    if pad:
-        data = np.concatenate([data, np.zeros(pad, np.uint8)])
-    b = data.reshape(-1, 3).astype(np.uint32)
-    return (b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)).astype(np.float32)
+    """Payload bytes (uint8) -> float32 values, 30 bits each (15 bytes in 4 values).
+
+    Each value is a *normal* float32: bit 29 of the 30 goes to the sign, bits 23-28 to
+    the exponent field plus one (1..64: never zero, Inf or NaN), bits 0-22 to the
+    mantissa. A normal number plus zero is that number, bit for bit, in every rounding
+    and flush-to-zero mode, so the servers' sum of other workers' empty slots cannot
+    alter a payload; zeros, denormals, Inf and NaN, which raw bit patterns would
+    produce, could be altered or canonicalised. 3.75 payload bytes per value (24-bit
+    integers carried 3). Read by :func:`unpack_bytes`.
+    """
+    pad = (-len(data)) % 15
+    groups = np.zeros((-(-len(data) // 15), 16), np.uint8)
+    flat = np.concatenate([data, np.zeros(pad, np.uint8)]) if pad else data
+    groups[:, :15] = flat.reshape(-1, 15)
+    lo, hi = groups.view("<u8").T                     # bits 0-63 and 64-119 of a group
+    mask = np.uint64(_WORD_MASK)
+    words = np.empty((len(lo), 4), np.uint64)
+    words[:, 0] = lo & mask
+    words[:, 1] = (lo >> np.uint64(30)) & mask
+    words[:, 2] = ((lo >> np.uint64(60)) | (hi << np.uint64(4))) & mask
+    words[:, 3] = (hi >> np.uint64(26)) & mask
+    w = words.reshape(-1).astype(np.uint32)
+    bits = ((w >> 29) << 31) | ((((w >> 23) & 0x3F) + 1) << 23) | (w & 0x7FFFFF)
+    return bits.view(np.float32)
 
 
 def unpack_bytes(values, n_bytes):
-    """Inverse of pack_bytes: float32 24-bit integers -> the first n_bytes (uint8)."""
-    v = values.astype(np.uint32)
-    b = np.empty((len(v), 3), np.uint8)
-    b[:, 0], b[:, 1], b[:, 2] = v & 0xFF, (v >> 8) & 0xFF, (v >> 16) & 0xFF
-    return b.reshape(-1)[:n_bytes]
+    """Inverse of pack_bytes: float32 values (a multiple of 4 of them, or the first of
+    a slot's values) -> the first n_bytes (uint8)."""
+    n_values = 4 * -(-n_bytes // 15)
+    bits = np.ascontiguousarray(values[:n_values], np.float32).view(np.uint32)
+    exponent = (bits >> 23) & 0xFF
+    if bits.size and (exponent.min() < 1 or exponent.max() > 64):
+        raise ValueError("a slot payload value is not one pack_bytes writes (exponent "
+                         "field %d..%d): the payload was altered on the way"
+                         % (exponent.min(), exponent.max()))
+    w = ((bits >> 31) << 29) | ((exponent - 1) << 23) | (bits & 0x7FFFFF)
+    w = w.astype(np.uint64).reshape(-1, 4)
+    groups = np.empty((len(w), 2), np.uint64)
+    groups[:, 0] = w[:, 0] | (w[:, 1] << np.uint64(30)) | (w[:, 2] << np.uint64(60))
+    groups[:, 1] = (w[:, 2] >> np.uint64(4)) | (w[:, 3] << np.uint64(26))
+    return groups.view(np.uint8).reshape(-1, 16)[:, :15].reshape(-1)[:n_bytes]

@@ -856,14 +856,22 @@ def test_gather_layout_round_trip():
     np.testing.assert_array_equal(payload.arrays[1].asnumpy(), data)
     fc = plan_chunks("fc_2bit", (200, 100), 3, pull="gather")[0]
     assert fc.pull == "gather" and fc.slots == 3
-    slots = np.random.RandomState(1).randint(0, 1 << 20, size=(fc.slots * fc.slot_rows,
-                                                                 fc.cols)).astype(np.float32)
-    slots[::fc.slot_rows, 0] = [0.5, 0.25, 0.125]        # each worker's threshold
+    from mxhylo.kvstore.wire import pack_bytes
+    n_bytes = 4 * -(-fc.size // 16)                      # the int32 code words
+    rng = np.random.RandomState(1)
+    sent = [rng.randint(0, 256, n_bytes).astype(np.uint8) for _ in range(fc.slots)]
+    slots = np.zeros((fc.slots, fc.slot_rows * fc.cols), np.float32)
+    for w, (threshold, data) in enumerate(zip([0.5, 0.25, 0.125], sent)):
+        packed = pack_bytes(data)
+        slots[w, 0] = threshold                           # each worker's threshold
+        slots[w, 1:1 + len(packed)] = packed
+    slots = slots.reshape(-1, fc.cols)
     received = mx.nd.sparse.row_sparse_array(
         (slots, np.arange(len(slots), dtype=np.int64)), shape=fc.key_shape)
     payloads = gather_payloads(fc, gather_values(fc, received).asnumpy().reshape(-1))
     assert [p.scalars[0] for p in payloads] == [0.5, 0.25, 0.125]
-    assert all(p.arrays[0].shape == (-(-fc.size // 16),) for p in payloads)
+    for p, data in zip(payloads, sent):
+        np.testing.assert_array_equal(p.arrays[0].asnumpy().view(np.uint8), data)
 
 
 def test_default_compresses_the_pull_only_over_the_parameter_server():

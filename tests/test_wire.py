@@ -135,3 +135,59 @@ def test_server_state_round_trip(pull):
             back, t = read_state(c, values)
             np.testing.assert_array_equal(back.view(np.uint32), residual.view(np.uint32))
             assert t == (threshold if pull == "fc_2bit" else None)
+
+
+@pytest.mark.parametrize("n", [0, 1, 14, 15, 16, 17, 29, 30, 31, 1000, 4097])
+def test_packed_bytes_are_normal_floats_that_survive_a_sum(n):
+    """pack_bytes puts 15 bytes in 4 float32 values, every one a normal number (not
+    zero, denormal, Inf or NaN), so that adding zeros, as the servers' sum of other
+    slots does, keeps every bit; unpack_bytes returns the bytes, all 256 values and
+    the edges (all zero, all ones) included."""
+    from mxhylo.kvstore.wire import pack_bytes, slot_values, unpack_bytes
+    rng = np.random.RandomState(n)
+    for data in (rng.randint(0, 256, n).astype(np.uint8), np.zeros(n, np.uint8),
+                 np.full(n, 255, np.uint8), (np.arange(n) % 256).astype(np.uint8)):
+        values = pack_bytes(data)
+        assert values.dtype == np.float32 and len(values) == slot_values(n) == 4 * -(-n // 15)
+        assert np.all(np.isfinite(values))
+        assert np.all(np.abs(values) >= np.finfo(np.float32).tiny)
+        summed = (mx.nd.array(values) + mx.nd.zeros(len(values))).asnumpy() if n else values
+        np.testing.assert_array_equal(summed.view(np.uint32), values.view(np.uint32))
+        padded = np.concatenate([summed, np.zeros(5, np.float32)])   # a slot's padding
+        np.testing.assert_array_equal(unpack_bytes(padded, n), data)
+
+
+def test_unpack_names_an_altered_payload():
+    from mxhylo.kvstore.wire import pack_bytes, unpack_bytes
+    values = pack_bytes(np.arange(30, dtype=np.uint8))
+    values[5] = 3.0                          # an exponent pack_bytes never writes
+    with pytest.raises(ValueError, match="altered"):
+        unpack_bytes(values, 30)
+
+
+def test_gather_conv_layer_is_one_key_whatever_its_size():
+    """A 'gather' rows key pulls up to W * push_k filters, so a layer cut into p keys
+    would pull p times that: it stays whole (MXNet's split is lifted for hylo's store),
+    while the other pulls still cut a large layer over the servers."""
+    shape = (512, 512, 3, 3)                 # 2.4 M elements: above MXNet's 1e6 bound
+    (whole,) = plan_chunks("conv_topk", shape, 4, 2, pull="gather", pull_rate=0.024,
+                           push_k=12)
+    assert (whole.lo, whole.hi, whole.pull_k) == (0, 512, 48)
+    assert whole.wire_nbytes == 4 * whole.cols * whole.pull_rows < 4 * whole.size / 10
+    assert len(plan_chunks("conv_topk", shape, 4, 2, pull="none")) >= 4
+
+
+def test_the_store_is_made_with_the_split_lifted_and_the_environment_restored(monkeypatch):
+    import os
+    from mxhylo.kvstore import transport_ps
+    seen = []
+    monkeypatch.setattr(mx.kv, "create", lambda name: seen.append(
+        (name, os.environ.get("MXNET_KVSTORE_BIGARRAY_BOUND"))) or "store")
+    for before in (None, "1000"):
+        if before is None:
+            monkeypatch.delenv("MXNET_KVSTORE_BIGARRAY_BOUND", raising=False)
+        else:
+            monkeypatch.setenv("MXNET_KVSTORE_BIGARRAY_BOUND", before)
+        assert transport_ps._native_store_unsplit() == "store"
+        assert os.environ.get("MXNET_KVSTORE_BIGARRAY_BOUND") == before
+    assert seen == [("dist_sync", str(2 ** 31 - 1))] * 2
