@@ -236,7 +236,7 @@ class Hylo(KVStoreBase):
         keys, values, outs = self._normalize(key, value, out, "pushpull")
         layers = [self._layer(k, vals[0].shape) for k, vals in zip(keys, values)]
         aggregates = self._aggregate_into(layers, values, outs)
-        encoded = []
+        encode_s = []                    # per layer: seconds of this step's encode
 
         warm = [self._warming_up(layer) for layer in layers]
         corrected = [self._momentum is not None and layer.plan.strategy != "none" and not w
@@ -256,15 +256,13 @@ class Hylo(KVStoreBase):
                     momentum_correction.keep_velocity(
                         layer.plan.name, grad, payload, layer.compressor, self.memory,
                         masking=self.momentum_masking)
+                encode_s.append(time.perf_counter() - clock)
                 self.traffic.time("encode", clock)
-                encoded.append((layer, payload))
                 yield layer, payload, agg
 
         clock = time.perf_counter()
         self.transport.prepare(layers)      # keys are made before the first push
         traffic = self.transport.exchange(encode_each())                 # 3. exchange
-        for (layer, _), t in zip(encoded, traffic):
-            self.traffic.record(layer.plan, t.pushed, t.pulled, t.messages, t.per_server)
         clock = self.traffic.time("exchange", clock)
         for layer, agg, mc, w in zip(layers, aggregates, corrected, warm):
             if w:
@@ -274,8 +272,11 @@ class Hylo(KVStoreBase):
             if mc:
                 momentum_correction.correct(layer.plan.name, agg, self.memory,
                                             self._momentum)
-        self.transport.wait(layers, aggregates)      # bounded: kvstore.watchdog
+        self.transport.wait(layers, aggregates, traffic)   # bounded: kvstore.watchdog
         clock = self.traffic.time("wait", clock)
+        for layer, t, enc in zip(layers, traffic, encode_s):
+            self.traffic.record(layer.plan, t.pushed, t.pulled, t.messages, t.per_server,
+                                seconds=enc + t.pull_s)
         for agg, os_ in zip(aggregates, outs):                           # 4. write
             for o in os_:
                 if o is agg:
@@ -359,7 +360,11 @@ class Hylo(KVStoreBase):
     def stats(self):
         """Traffic so far: steps, bytes_pushed, bytes_pulled, dense_bytes (bytes), ratio,
         messages, bytes_per_server, and per layer (by parameter name): policy, shape, k,
-        rate, bytes (pushed in all), last_bytes (last step), dense_bytes, ratio."""
+        rate, bytes (pushed in all), last_bytes (last step), dense_bytes, ratio, seconds
+        and last_seconds (what the layer cost this worker: its encode, and its pull's
+        wait and decode). With the cost model, ``cost_model['layers']``: per layer its
+        choice (strategy), the predicted seconds dense_s and codec_s, and measured_s
+        (its last_seconds)."""
         out = self.traffic.as_dict()
         out.update(type=self.type, rank=self.rank, num_workers=self.num_workers,
                    options=dict(self.policy.options(), compress_pull=self.compress_pull,
@@ -372,7 +377,11 @@ class Hylo(KVStoreBase):
                 "latency_s": self.cost.wire.latency_s,
                 "per_byte_s": self.cost.wire.per_byte_s,
                 "codecs": {s: vars(c) for s, c in self.cost.codecs.items()},
-                "layers": {name: vars(p) for name, p in self.cost.decisions.items()}}
+                # each layer's choice, its predicted seconds (dense and with its codec)
+                # and what its last exchange measured (encode + pull_s, kvstore.transport)
+                "layers": {name: dict(vars(p), measured_s=out["layers"].get(name, {})
+                                      .get("last_seconds"))
+                           for name, p in self.cost.decisions.items()}}
         return out
 
     def plans(self):

@@ -268,8 +268,9 @@ class KeyTable:
             if len(group) == 1 or signature in self.bucket_keys:
                 continue
             size = sum(layer.plan.size for layer in group)
-            pskey, server = self._place(4 * size)
-            chunk = ChunkLayout("dense", 0, size, size, server=server)
+            chunk = ChunkLayout("dense", 0, size, size)
+            pskey, server = self._place(chunk.wire_nbytes)
+            chunk = dataclasses.replace(chunk, server=server)
             self.layouts[pskey] = ("bucket:" + ",".join(l.plan.name for l in group), chunk)
             self.layouts_sent = False
             self.kv.init(pskey, mx.nd.zeros((size,)))

@@ -4,7 +4,7 @@ Three transports implement it: kvstore.transport_local (one process: the 'server
 decode right here), kvstore.transport_ps (MXNet's parameter server) and
 kvstore.transport_horovod (Horovod's ring allreduce and allgather). The store
 (kvstore.hylo) calls, per step: ``prepare(layers)``, ``exchange(items)`` (items may be a
-generator that encodes on demand), then ``wait(layers, aggregates)``.
+generator that encodes on demand), then ``wait(layers, aggregates, traffic)``.
 """
 import abc
 from dataclasses import dataclass, field
@@ -19,12 +19,16 @@ class Traffic:
     ids (not ps-lite's own message headers).
 
     pushed, pulled: bytes this worker sent and received; per_server: server index ->
-    bytes both ways; messages: pushes (each has one pull).
+    bytes both ways; messages: pushes (each has one pull); pull_s: seconds this worker
+    spent blocked on the layer's aggregate and decoding it (what the exchange costs it
+    past the encode: the wire, the servers, the decode; a layer whose aggregate came
+    while an earlier one was awaited costs little here).
     """
     pushed: int = 0
     pulled: int = 0
     per_server: Dict[int, int] = field(default_factory=dict)
     messages: int = 0
+    pull_s: float = 0.0
 
     def count(self, server, pushed=0, pulled=0, messages=0):
         self.pushed += pushed
@@ -60,8 +64,9 @@ class Transport(abc.ABC):
         ``wait``). Returns one Traffic per item, in order."""
 
     @abc.abstractmethod
-    def wait(self, layers, aggregates):
-        """Block until every aggregate of the exchange is written."""
+    def wait(self, layers, aggregates, traffic):
+        """Block until every aggregate of the exchange is written; add the seconds
+        blocked on each to its Traffic's pull_s (``traffic``: what exchange returned)."""
 
     def share_from_rank0(self, values):
         """Rank 0's 1-D float32 numpy ``values`` on every worker (collective). In one

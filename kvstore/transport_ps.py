@@ -11,6 +11,7 @@ every exchange: kvstore.watchdog.
 """
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import List, Tuple
 
@@ -62,6 +63,7 @@ class PendingPull:
     chunk: Chunk
     buf: mx.nd.NDArray        # the pull's row_sparse buffer
     name: str                 # the layer's name, for the watchdog
+    traffic: Traffic          # the layer's, whose pull_s the wait and decode add to
 
 
 def _leave_at_once_on_uncaught_exception():
@@ -212,7 +214,8 @@ class PSTransport(Transport):
                 else:
                     buf, row_ids = self.keys.pull_buffers[c.pskey]
                     self.kv.row_sparse_pull(c.pskey, out=buf, row_ids=row_ids)
-                    pending.append(PendingPull(flat, c, buf, r.layer.plan.name))
+                    pending.append(PendingPull(flat, c, buf, r.layer.plan.name,
+                                               traffic[i]))
                     nbytes = chunk.pull_rows * (4 * chunk.cols + ROW_ID_BYTES)
                 traffic[i].count(chunk.server, pulled=nbytes)
         for b in buckets:
@@ -231,6 +234,7 @@ class PSTransport(Transport):
         """Write a pulled chunk's aggregate into its piece of the layer's output."""
         chunk, pskey = p.chunk.layout, p.chunk.pskey
         self.watchdog.waiting("layer %r (key %d, server %d)" % (p.name, pskey, chunk.server))
+        clock = time.perf_counter()
         rows = p.buf.data.reshape((-1,))                  # (pull_rows * cols,) row-major
         piece = p.flat[chunk.offset:chunk.offset + chunk.size]
         if chunk.pull == "none":
@@ -245,14 +249,19 @@ class PSTransport(Transport):
         else:
             payload = pull_payload(chunk, rows.asnumpy())
             self._codecs[payload.strategy].decode(payload, piece.reshape(payload.shape))
+        # the decode runs on in MXNet's engine: wait() adds it to the same layer's pull_s
+        p.traffic.pull_s += time.perf_counter() - clock
         self.watchdog.settled(pskey)
 
-    def wait(self, layers, aggregates):
+    def wait(self, layers, aggregates, traffic):
         """Block until every aggregate of the exchange is written, each wait bounded by
-        the stall watchdog (which names what is still owed if the bound passes)."""
-        for layer, agg in zip(layers, aggregates):
+        the stall watchdog (which names what is still owed if the bound passes); pull_s:
+        the wait (compressed chunks add their decode in exchange)."""
+        for layer, agg, t in zip(layers, aggregates, traffic):
             self.watchdog.waiting_on_layer(layer.plan.name)
+            clock = time.perf_counter()
             agg.wait_to_read()
+            t.pull_s += time.perf_counter() - clock
             self.watchdog.settled_layer(layer.plan.name)
         self.watchdog.end()
 

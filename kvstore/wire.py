@@ -87,7 +87,9 @@ class ChunkLayout:
     (slots); slots: workers' slots (slots); codec: the codec of a slots chunk;
     dense_rows: rows of the dense aggregate; server: index of the server;
     pull: how the aggregate comes back (PULL_CODECS); pull_k: filters pulled per step
-    (pull='conv_topk', or at most that many with pull='gather').
+    (pull='conv_topk', or at most that many with pull='gather'); push_rows: rows a
+    worker pushes per step at most (rows: its k filters that can fall in the chunk;
+    slots: its slot).
     """
     kind: str
     lo: int
@@ -102,6 +104,7 @@ class ChunkLayout:
     pull_k: int = 0
     slots: int = 0
     codec: str = ""
+    push_rows: int = 0
 
     @property
     def offset(self):
@@ -137,11 +140,12 @@ class ChunkLayout:
 
     @property
     def wire_nbytes(self):
-        """Bytes of this chunk a server sends each worker per step at most (what placing
-        balances): the dense aggregate, or the compressed pull's rows."""
-        if self.kind == "dense" or self.pull == "none":
-            return 4 * self.size
-        return 4 * self.cols * self.pull_rows
+        """Bytes of this chunk one worker and its server exchange per step at most, both
+        ways (what placing balances)."""
+        if self.kind in ("dense", "probe"):
+            return 8 * self.size
+        pull_rows = self.dense_rows if self.pull == "none" else self.pull_rows
+        return 4 * self.cols * (self.push_rows + pull_rows)
 
     @property
     def state_values(self):
@@ -208,7 +212,9 @@ def plan_chunks(strategy, shape, num_workers, num_servers=1,
                              per_filter, wire_fraction)
         layouts = [ChunkLayout("rows", lo // per_filter, hi // per_filter, hi - lo,
                                cols=per_filter, rows=(hi - lo) // per_filter,
-                               dense_rows=(hi - lo) // per_filter)
+                               dense_rows=(hi - lo) // per_filter,
+                               push_rows=min((hi - lo) // per_filter,
+                                             push_k or (hi - lo) // per_filter))
                    for lo, hi in pieces]
     else:
         pieces = _pieces(n, chunk_elements, num_servers, split_min, PIECE_UNIT)
@@ -225,7 +231,8 @@ def plan_chunks(strategy, shape, num_workers, num_servers=1,
             layouts.append(ChunkLayout("slots", lo, hi, size, cols=cols,
                                        rows=max(num_workers * slot_rows, dense_rows),
                                        slot_rows=slot_rows, dense_rows=dense_rows,
-                                       slots=num_workers, codec=strategy))
+                                       slots=num_workers, codec=strategy,
+                                       push_rows=slot_rows))
     return [_with_pull(c, pull, pull_rate, num_workers * (push_k or 0)) for c in layouts]
 
 
@@ -276,8 +283,8 @@ def empty_push(layout):
 def push_slot(layout, rank, data, scalars):
     """Worker ``rank``'s push of a 'slots' chunk: its slot (rows [rank * slot_rows,
     (rank + 1) * slot_rows)) holding the payload's header ``scalars``, then the chunk's
-    bytes ``data`` (uint8 numpy, the codec's byte_span of the chunk) as 24-bit
-    integers. Read by :func:`slot_payload`."""
+    bytes ``data`` (uint8 numpy, the codec's byte_span of the chunk) as
+    :func:`pack_bytes` writes them. Read by :func:`slot_payload`."""
     packed = pack_bytes(data)
     values = np.zeros(layout.slot_rows * layout.cols, np.float32)
     values[:len(scalars)] = scalars

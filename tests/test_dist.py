@@ -70,8 +70,10 @@ def test_hylo_workers_bitwise_identical_and_accuracy_near_dist_sync(tmp_path, di
     # Gluon's per-key loop is exchanged as one step: the 8 small tensors share a bucket,
     # the conv takes one key, and the 2 MB dense weight is cut in one piece per server
     assert reports[0]["messages_per_step"] == 4
+    # two keys carry the bytes here (the bucket and the 2-bit layer's), one per server:
+    # the balance is theirs (about 0.79 since slots carry 30 bits a value)
     per_server = sorted(reports[0]["bytes_per_server"].values())
-    assert len(per_server) == 2 and per_server[0] > 0.8 * per_server[1]
+    assert len(per_server) == 2 and per_server[0] > 0.7 * per_server[1]
 
 
 @pytest.mark.parametrize("pull", ["off", "layer", "2bit"])   # 'gather': the default, above
@@ -253,7 +255,10 @@ def test_cost_model_every_worker_reaches_rank0s_plan(tmp_path):
                                 "--warmup-steps", "0", "--cost-model", "on", epochs=2)
     assert_same(params[0], params[1])
     costs = [r["cost_model"] for r in reports]
+    measured = [{n: p.pop("measured_s") for n, p in c["layers"].items()} for c in costs]
     assert costs[0] is not None and costs[0] == costs[1]
+    # what each worker measured is its own; every layer has its figure
+    assert all(s is not None and s > 0 for m in measured for s in m.values()), measured
     assert costs[0]["per_byte_s"] > 0 and set(costs[0]["codecs"]) == {"conv_topk", "fc_2bit"}
     layers = costs[0]["layers"]
     assert layers, "no layer was offered to the cost model"

@@ -172,8 +172,8 @@ def test_gather_conv_layer_is_one_key_whatever_its_size():
     shape = (512, 512, 3, 3)                 # 2.4 M elements: above MXNet's 1e6 bound
     (whole,) = plan_chunks("conv_topk", shape, 4, 2, pull="gather", pull_rate=0.024,
                            push_k=12)
-    assert (whole.lo, whole.hi, whole.pull_k) == (0, 512, 48)
-    assert whole.wire_nbytes == 4 * whole.cols * whole.pull_rows < 4 * whole.size / 10
+    assert (whole.lo, whole.hi, whole.pull_k, whole.push_rows) == (0, 512, 48, 12)
+    assert whole.wire_nbytes == 4 * whole.cols * (12 + whole.pull_rows) < 4 * whole.size / 8
     assert len(plan_chunks("conv_topk", shape, 4, 2, pull="none")) >= 4
 
 
