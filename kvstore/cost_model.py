@@ -14,7 +14,9 @@ Model of one layer's exchange, in seconds, for a layer of n float32 elements:
         up   = p, the payload's bytes (Compressor.payload_nbytes)
         down = W * p  ('gather' pull: every worker's payload comes back)
                4n     (dense pull), or p (a pull re-compressed by the servers)
-        decode = payloads decoded by this worker (W with 'gather', else 1) x decode_c(n)
+               W/2 * p  ('allgather', the Horovod transport: see below)
+        decode = payloads decoded by this worker (W with 'gather' and 'allgather',
+                 else 1) x decode_c(n)
 
 ``latency`` and ``per_byte`` come from timed exchanges of dense probe layers of two
 sizes through the real transport, with every worker exchanging at once (so per_byte
@@ -22,7 +24,10 @@ holds the servers' share of the load: W workers' bytes go through S server links
 the servers' summing). encode_c and decode_c are seconds per element, timed on a
 synthetic layer per codec. The sums of up and down are the bytes that cross the
 busiest link (a worker's, or a server's scaled by W/S: the same factor for both
-forms, which per_byte carries). The model leaves out the overlap of one layer's
+forms, which per_byte carries). Over Horovod the dense probes are ring allreduces: a
+worker sends and receives 2(W-1)/W of the layer's bytes, which per_byte carries;
+an allgather of p bytes per worker brings in (W-1) p, that is W/2 * p in those units
+(up: p, sent (W-1) times along the ring, is the same W/2 * p on the outgoing link). The model leaves out the overlap of one layer's
 encode with another's transfer: it errs towards dense.
 
 Every worker must reach the same plan (the servers' layouts depend on it): rank 0
@@ -74,8 +79,8 @@ class CostModel:
     """Measured costs of this job (see the module docstring) and the rule built on them.
 
     wire: WireCost; codecs: strategy -> CodecCost; workers: W; pull: the store's
-    compress_pull mode (None, 'gather', 'layer', '2bit'); margin: fraction by which the
-    codec must beat dense.
+    compress_pull mode (None, 'gather', 'layer', '2bit'), or 'allgather' over Horovod;
+    margin: fraction by which the codec must beat dense.
     """
     wire: WireCost
     codecs: Dict[str, CodecCost]
@@ -93,6 +98,8 @@ class CostModel:
         cost = self.codecs[plan.strategy]
         if self.pull == "gather":
             down, decodes = self.workers * payload_nbytes, self.workers
+        elif self.pull == "allgather":
+            down, decodes = self.workers * payload_nbytes / 2.0, self.workers
         elif self.pull is None:
             down, decodes = dense_bytes, 0
         else:

@@ -94,8 +94,8 @@ class Hylo(KVStoreBase):
         DMLC_ROLE=worker; Horovod when horovodrun started it; in-process otherwise),
         'local', 'ps' or 'horovod' (ring allreduce and allgather, no servers, no
         compressed pull: kvstore.transport_horovod).
-      cost_model: 'auto' (default: over the parameter server, unless policy,
-        size_threshold, conv_rate or compress_pull is given, which then rule alone),
+      cost_model: 'auto' (default: over the parameter server and over Horovod, unless
+        policy, size_threshold, conv_rate or compress_pull is given, which then rule alone),
         True, or False. At start-up the workers time dense exchanges of two probe sizes
         and rank 0 times the codecs; a layer the policy would compress travels dense
         where the model predicts compression does not save at least 10% of its
@@ -151,10 +151,12 @@ class Hylo(KVStoreBase):
         self._aggregates = {}
         self._trainer = None      # weakref of the attached gluon.Trainer (trainer_hook)
         self.transport = self._make_transport(transport, transport_options)
+        # how compressed payloads come back, in the cost model's terms (kvstore.cost_model)
+        self._cost_pull = "allgather" if transport == "horovod" else self.compress_pull
         if self.transport.num_workers > 1 or transport == "ps":
             active.set_active(self)
-        use_model = cost_model is True or (cost_model == "auto" and transport == "ps"
-                                           and not explicit)
+        use_model = cost_model is True or (cost_model == "auto" and not explicit
+                                           and transport in ("ps", "horovod"))
         self.cost = None            # (the probes themselves are planned without it)
         if use_model:
             self.cost = self._measure_costs()
@@ -477,9 +479,9 @@ class Hylo(KVStoreBase):
         if self.rank == 0:
             codecs = {s: time_codec(self.policy, self.compressors[s]) for s in strategies}
             values = CostModel(WireCost.fit(nbytes, seconds), codecs, self.num_workers,
-                               self.compress_pull).to_array(strategies)
+                               self._cost_pull).to_array(strategies)
         shared = self.transport.share_from_rank0(values)
-        return CostModel.from_array(shared, strategies, self.num_workers, self.compress_pull)
+        return CostModel.from_array(shared, strategies, self.num_workers, self._cost_pull)
 
     def _plan(self, name, shape):
         """The policy's plan, made 'none' where the cost model says compression does not

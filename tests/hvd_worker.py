@@ -13,6 +13,8 @@ MODE:
         OUT_DIR/lars-<rank>.npz and OUT_DIR/lars-<rank>.json (kv.stats(), loss scale).
   run   (under python -m mxhylo.run) a Trainer created without a kvstore: writes
         OUT_DIR/run-<rank>.npz and .json (the job store's type and transport).
+  cost  the hylo mode's net and training with every default, the cost model on (as
+        'auto' has it over Horovod): OUT_DIR/cost-<rank>.npz and .json (kv.stats()).
   none  the same net twice from the same initial values: once with hylo and
         policy {'.*': 'none'} (step(W*b): the store sums), once with
         hvd.DistributedTrainer (which averages); writes OUT_DIR/none-<rank>.npz with
@@ -105,6 +107,16 @@ def main(mode, out_dir):
         stats["shared"] = kv.transport.share_from_rank0(np.arange(3) + 10 * rank).tolist()
         with open(os.path.join(out_dir, "hylo-%d.json" % rank), "w") as f:
             json.dump(stats, f)
+    elif mode == "cost":
+        net = build_net(seed=rank)
+        net(mx.nd.ones((1, 3, 10, 10))).wait_to_read()
+        kv = mxhylo.create(warmup_steps=2)      # every default: the cost model decides
+        trainer = gluon.Trainer(net.collect_params(), "sgd", opt, kvstore=kv)
+        broadcast_now(trainer)
+        train(net, trainer, rank, size)
+        np.savez(os.path.join(out_dir, "cost-%d.npz" % rank), **params_of(net))
+        with open(os.path.join(out_dir, "cost-%d.json" % rank), "w") as f:
+            json.dump(kv.stats(), f)
     elif mode == "lars":
         from mxhylo.lars import LARSTrainer
         net = build_net(seed=rank)

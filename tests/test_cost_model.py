@@ -61,7 +61,8 @@ def test_prediction_formula_for_each_pull():
     n, p = plan.size, 4 * (plan.size // 16) + 4
     wire = WireCost(0.001, 1e-8)
     codecs = {"fc_2bit": CodecCost(3e-9, 2e-9)}
-    for pull, down, decodes in (("gather", 4 * p, 4), (None, 4 * n, 0), ("layer", p, 1)):
+    for pull, down, decodes in (("gather", 4 * p, 4), (None, 4 * n, 0), ("layer", p, 1),
+                                ("allgather", 2 * p, 4)):
         pred = CostModel(wire, codecs, 4, pull).predict(plan, p)
         assert pred.dense_s == pytest.approx(0.001 + 4 * n * 1e-8)
         assert pred.codec_s == pytest.approx(0.001 + max(p, down) * 1e-8

@@ -206,6 +206,22 @@ def test_hylo_over_horovod_keeps_workers_bitwise_identical(tmp_path):
             assert entry["bytes_pushed"] < 0.5 * entry["dense_bytes"]
 
 
+def test_cost_model_over_horovod_every_worker_takes_rank0s_plan(tmp_path):
+    """With every default the cost model runs over Horovod too ('allgather' form: W/2
+    payloads per ring byte, W decodes): the workers time their own probes, take rank
+    0's numbers, reach the same per-layer choices and stay bitwise identical."""
+    horovodrun("cost", tmp_path)
+    a, b = (np.load(tmp_path / ("cost-%d.npz" % r)) for r in (0, 1))
+    for name in a.files:
+        assert np.array_equal(a[name], b[name]), name
+    costs = [json.load(open(tmp_path / ("cost-%d.json" % r)))["cost_model"] for r in (0, 1)]
+    measured = [{n: p.pop("measured_s") for n, p in c["layers"].items()} for c in costs]
+    assert costs[0] == costs[1] and costs[0]["per_byte_s"] > 0
+    assert set(costs[0]["layers"]) and all(s > 0 for m in measured for s in m.values())
+    for name, p in costs[0]["layers"].items():
+        assert p["strategy"] == "none" or p["codec_s"] < 0.9 * p["dense_s"], (name, p)
+
+
 def test_lars_trainer_over_horovod_keeps_workers_bitwise_identical(tmp_path):
     """LARSTrainer (dynamic loss scaling, no momentum correction: LARS is not MXNet's
     SGD) with the hylo store over Horovod: compressed steps, workers bitwise equal,
