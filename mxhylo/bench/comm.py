@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 
-from . import netns
+from . import netns, sweep
 from .horovod_jobs import HOROVOD_MODES, horovod_available
 from .jobs import JobError, _Interrupted, clean_env, run_job
 
@@ -553,100 +553,17 @@ def run(args):
     for rate in rates:
         _log("=== rate %s ===" % rate)
         per_rate[rate] = run_rate(args, rate, shapes=shapes, plot="")
-    report = {"suite": "comm_sweep", "date": per_rate[rates[0]]["date"],
-              "machine": per_rate[rates[0]]["machine"],
-              "config": dict(per_rate[rates[0]]["config"], rate=None, rates=rates),
-              "rates": per_rate}
-    report["sweep"] = sweep_table(report)
-    report["sweep_checks"] = sweep_checks(report)
-    for line in format_sweep(report):
+    report = sweep.sweep_report("comm", rates, per_rate, BASELINE, AUTO_MODE)
+    for line in sweep.format_sweep(report):
         _log(line)
     if plot:
-        write_sweep_plot(report, plot)
+        sweep.write_sweep_plot(report, plot)
         report["plot"] = plot
         _log("plot: " + plot)
     return report
 
 
 AUTO_MODE = "hylo_auto"          # mxhylo's defaults: the mode the sweep's bar is about
-
-
-def sweep_table(report):
-    """{model: {mode: {rate: speedup over dense pushpull or None}}}."""
-    table = {}
-    for rate, rep_ in report["rates"].items():
-        for model, per_mode in rep_["results"].items():
-            for mode, res in per_mode.items():
-                table.setdefault(model, {}).setdefault(mode, {})[rate] = \
-                    res.get("speedup_vs_" + BASELINE) if res.get("status") == "ok" else None
-    return table
-
-
-def sweep_checks(report, auto=AUTO_MODE, min_vs_dense=1.0, min_vs_best=0.9):
-    """Per model and rate: hylo's default at least ``min_vs_dense`` x dense pushpull and
-    at least ``min_vs_best`` of the best fixed hylo mode that ran."""
-    checks = {}
-    for model, per_mode in report["sweep"].items():
-        if auto not in per_mode:
-            continue
-        for rate, speedup in per_mode[auto].items():
-            fixed = [per_mode[m].get(rate) for m in per_mode
-                     if m.startswith("hylo") and m != auto and per_mode[m].get(rate)]
-            best = max(fixed) if fixed else None
-            vs_best = speedup / best if speedup and best else None
-            checks["%s@%s" % (model, rate)] = {
-                "speedup": speedup, "best_fixed_hylo": best, "vs_best_fixed": vs_best,
-                "ok": bool(speedup and speedup >= min_vs_dense
-                           and (vs_best is None or vs_best >= min_vs_best))}
-    return checks
-
-
-def format_sweep(report):
-    rates = report["config"]["rates"]
-    lines = ["speedup over %s by rate:" % BASELINE,
-             "%-14s %-16s " % ("model", "mode") + " ".join("%9s" % r for r in rates)]
-    for model, per_mode in report["sweep"].items():
-        for mode, by_rate in per_mode.items():
-            lines.append("%-14s %-16s " % (model, mode) + " ".join(
-                "%8.2fx" % by_rate[r] if by_rate.get(r) else "%9s" % "-" for r in rates))
-    for name, c in sorted(report["sweep_checks"].items()):
-        lines.append("%-28s %s: %.2fx dense, %s of the best fixed hylo mode" % (
-            name, "ok" if c["ok"] else "BELOW the bar", c["speedup"] or 0,
-            "%.2f" % c["vs_best_fixed"] if c["vs_best_fixed"] else "-"))
-    return lines
-
-
-def write_sweep_plot(report, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rates = report["config"]["rates"]
-    models = list(report["sweep"])
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4.2), squeeze=False)
-    xs = list(range(len(rates)))
-    for ax, model in zip(axes[0], models):
-        for mode, by_rate in report["sweep"][model].items():
-            ys = [by_rate.get(r) or float("nan") for r in rates]
-            ax.plot(xs, ys, marker="o", lw=2.5 if mode == AUTO_MODE else 1.2,
-                    label=mode + (" (default)" if mode == AUTO_MODE else ""))
-        ax.axhline(1.0, color="k", ls="--", lw=1)
-        ax.set_xticks(xs)
-        ax.set_xticklabels(["unshaped" if r == "none" else r for r in rates])
-        ax.set_title(model)
-        ax.set_xlabel("link rate")
-        ax.set_ylabel("speedup over %s (x)" % BASELINE)
-        ax.set_yscale("log")
-    axes[0][0].legend(fontsize=7)
-    cfg = report["config"]
-    fig.suptitle("comm sweep: %d workers, %d servers, %s, %s" % (
-        cfg["workers"], cfg["servers"],
-        "AVX-512" if any(f.startswith("avx512") for f in
-                         report["machine"].get("cpu_features") or []) else "AVX2 or less",
-        report["date"][:10]), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def run_rate(args, rate, shapes=None, plot=None):

@@ -42,6 +42,7 @@ Needs root (namespaces); says so and exits non-zero otherwise. Everything create
 SIGINT/SIGTERM/SIGHUP. Scheduler ports: each job uses its own (9091 upwards) inside
 namespaces that only this run uses, so they are free by construction.
 """
+import argparse
 import datetime
 import os
 import statistics
@@ -50,7 +51,7 @@ import sys
 import tempfile
 import time
 
-from . import netns
+from . import netns, sweep
 from .comm import (ShapedRun, hylo_available, hylo_summary,
                    machine_info, model_summary, parse_hylo_options, parse_list, role_names,
                    shapes_in_subprocess, wire_summary)
@@ -74,7 +75,10 @@ def add_arguments(parser):
     parser.add_argument("-n", "--workers", type=int, default=4, help="workers (default 4)")
     parser.add_argument("-s", "--servers", type=int, default=2, help="servers (default 2)")
     parser.add_argument("--rate", default="1gbit",
-                        help="tc tbf rate of every link, each direction (default 1gbit)")
+                        help="tc tbf rate of every link, each direction (default 1gbit; "
+                             "'none': unshaped). A comma-separated list runs a bandwidth "
+                             "sweep: every model and mode at each rate, and each mode's "
+                             "speedup over dist_sync against bandwidth (JSON and PNG)")
     parser.add_argument("--delay", default=None,
                         help="one-way delay between nodes via netem, e.g. 1ms (default none)")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
@@ -171,7 +175,12 @@ def check_args(args):
     if args.workers < 1 or args.servers < 1:
         raise ValueError("need at least one worker and one server (-n %d, -s %d)"
                          % (args.workers, args.servers))
-    out["rate_bps"] = netns.parse_rate(args.rate)
+    out["rates"] = parse_list(args.rate, what="rate")
+    for rate in out["rates"]:
+        netns.parse_rate(rate)
+    if len(out["rates"]) > 1 and args.tta:
+        raise ValueError("--tta runs at one --rate, got %s" % args.rate)
+    out["rate_bps"] = netns.parse_rate(out["rates"][0])
     out["delay_s"] = netns.parse_time(args.delay) if args.delay else 0.0
     out["modes"] = parse_list(args.modes, tuple(MODES), what="mode")
     if len(set(out["modes"])) != len(out["modes"]):
@@ -607,7 +616,38 @@ def steps_per_epoch(num_records, num_workers, batch_size):
     return min(sizes) // batch_size
 
 
+DEFAULT_MODE = "hylo"        # mxhylo's defaults: the mode a sweep's bar is about
+
+
 def run(args):
+    """One report per rate of --rate (a comma-separated list); with several rates, a
+    sweep report holding them and each mode's speedup over dist_sync against
+    bandwidth (mxhylo.bench.sweep)."""
+    try:
+        rates = check_args(args)["rates"]
+    except ValueError as err:
+        raise SystemExit("mxhylo.bench train: %s" % err)
+    if len(rates) == 1:
+        return run_rate(args)
+    per_rate = {}
+    for rate in rates:
+        _log("=== rate %s ===" % rate)
+        per_rate[rate] = run_rate(argparse.Namespace(**dict(vars(args), rate=rate)),
+                                  plot="")
+    report = sweep.sweep_report("train", rates, per_rate, BASELINE, DEFAULT_MODE)
+    for line in sweep.format_sweep(report):
+        _log(line)
+    plot = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
+    if plot:
+        sweep.write_sweep_plot(report, plot)
+        report["plot"] = plot
+        _log("plot: " + plot)
+    return report
+
+
+def run_rate(args, plot=None):
+    """The report of one rate (args.rate); plot: the PNG's path ('' for none; None: next
+    to --json)."""
     try:
         parsed = check_args(args)
     except ValueError as err:
@@ -623,7 +663,8 @@ def run(args):
     skipped.update({m: "skipped: horovod.mxnet is not installed (make setup builds it with "
                        "MXNet and Gloo)"
                     for m in modes if m in HOROVOD_MODES and not horovod_available()})
-    plot = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
+    if plot is None:
+        plot = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
     if args.cleanup_stale:
         for name in netns.stale_namespaces():
             subprocess.run(["ip", "netns", "del", name], timeout=netns.CMD_TIMEOUT)
