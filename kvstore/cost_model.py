@@ -27,8 +27,9 @@ busiest link (a worker's, or a server's scaled by W/S: the same factor for both
 forms, which per_byte carries). Over Horovod the dense probes are ring allreduces: a
 worker sends and receives 2(W-1)/W of the layer's bytes, which per_byte carries;
 an allgather of p bytes per worker brings in (W-1) p, that is W/2 * p in those units
-(up: p, sent (W-1) times along the ring, is the same W/2 * p on the outgoing link). The model leaves out the overlap of one layer's
-encode with another's transfer: it errs towards dense.
+(up: p, sent (W-1) times along the ring, is the same W/2 * p on the outgoing link).
+The model leaves out the overlap of one layer's encode with another's transfer: it
+errs towards dense.
 
 Every worker must reach the same plan (the servers' layouts depend on it): rank 0
 measures, and the transport shares its numbers (CostModel.to_array / from_array).

@@ -7,6 +7,7 @@ kvstore.transport_horovod (Horovod's ring allreduce and allgather). The store
 generator that encodes on demand), then ``wait(layers, aggregates, traffic)``.
 """
 import abc
+import time
 from dataclasses import dataclass, field
 from typing import Dict
 
@@ -37,6 +38,13 @@ class Traffic:
         self.messages += messages
 
 
+def wait_timed(aggregate, traffic):
+    """Block until ``aggregate`` (NDArray) is written; add the seconds to traffic.pull_s."""
+    clock = time.perf_counter()
+    aggregate.wait_to_read()
+    traffic.pull_s += time.perf_counter() - clock
+
+
 class Transport(abc.ABC):
     """Moves one worker's encoded layers to the aggregation and the aggregates back.
 
@@ -63,10 +71,11 @@ class Transport(abc.ABC):
         aggregated, end up in its float32 ``out`` (written asynchronously: see
         ``wait``). Returns one Traffic per item, in order."""
 
-    @abc.abstractmethod
     def wait(self, layers, aggregates, traffic):
         """Block until every aggregate of the exchange is written; add the seconds
         blocked on each to its Traffic's pull_s (``traffic``: what exchange returned)."""
+        for agg, t in zip(aggregates, traffic):
+            wait_timed(agg, t)
 
     def share_from_rank0(self, values):
         """Rank 0's 1-D float32 numpy ``values`` on every worker (collective). In one

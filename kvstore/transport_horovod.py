@@ -23,7 +23,6 @@ Launch: ``horovodrun -np W -H host:slots --gloo python script.py`` (the store pi
 this transport by itself there: kvstore.hylo, transport 'auto').
 """
 import os
-import time
 import zlib
 from dataclasses import dataclass
 
@@ -215,14 +214,6 @@ class HorovodTransport(Transport):
                 self._codecs[p.strategy].decode(p, g.out.reshape(p.shape), accumulate=True)
             sent, got = ring_allgather_bytes([b.nbytes for b in blobs], self.rank)
             traffic[g.index] = Traffic(pushed=sent, pulled=got, messages=int(n == 0))
-
-    def wait(self, layers, aggregates, traffic):
-        """Block until every aggregate is written (the allreduce runs in MXNet's engine;
-        pull_s: the wait)."""
-        for agg, t in zip(aggregates, traffic):
-            clock = time.perf_counter()
-            agg.wait_to_read()
-            t.pull_s += time.perf_counter() - clock
 
     # -- no server state -----------------------------------------------------------------
 

@@ -5,8 +5,6 @@ residual, then decode into float32 and aggregate; with compress_pull, encode the
 aggregate again with the server's residual and decode that), only without a network:
 with one worker the aggregate is that worker's decoded payload.
 """
-import time
-
 from .compressors import PullEncoder
 from .policy import pull_codec
 from .transport import Traffic, Transport
@@ -57,13 +55,6 @@ class LocalTransport(Transport):
                 pulled = back.nbytes
             traffic.append(Traffic(pushed=payload.nbytes, pulled=pulled))
         return traffic
-
-    def wait(self, layers, aggregates, traffic):
-        """Block until every aggregate of the exchange is written (pull_s: the wait)."""
-        for agg, t in zip(aggregates, traffic):
-            clock = time.perf_counter()
-            agg.wait_to_read()
-            t.pull_s += time.perf_counter() - clock
 
     def server_state(self):
         """{layer name: (residual numpy of the layer's shape, [2-bit threshold or None])}."""

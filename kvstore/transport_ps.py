@@ -21,7 +21,7 @@ import numpy as np
 from .compressors import Payload, make_compressors
 from .ps_checkpoint import ServerCheckpoint
 from .ps_keys import Chunk, KeyTable, bucket_signature
-from .transport import Traffic, Transport
+from .transport import Traffic, Transport, wait_timed
 from .watchdog import StallWatchdog
 from .wire import (BIGARRAY_BOUND, DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, ROW_ID_BYTES,
                    ChunkLayout, empty_push, gather_payloads, pull_payload, push_slot, push_rows)
@@ -259,9 +259,7 @@ class PSTransport(Transport):
         the wait (compressed chunks add their decode in exchange)."""
         for layer, agg, t in zip(layers, aggregates, traffic):
             self.watchdog.waiting_on_layer(layer.plan.name)
-            clock = time.perf_counter()
-            agg.wait_to_read()
-            t.pull_s += time.perf_counter() - clock
+            wait_timed(agg, t)
             self.watchdog.settled_layer(layer.plan.name)
         self.watchdog.end()
 
