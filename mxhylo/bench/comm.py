@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 
-from . import netns, sweep
+from . import netns, plot_path, sweep
 from .horovod_jobs import HOROVOD_MODES, horovod_available
 from .jobs import JobError, _Interrupted, clean_env, run_job
 
@@ -548,7 +548,7 @@ def run(args):
         return run_rate(args, rates[0])
     _log("model shapes (gluoncv, one forward at %d)..." % args.image_size)
     shapes = shapes_in_subprocess(models, args.image_size)
-    plot = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
+    plot = plot_path(args)
     per_rate = {}
     for rate in rates:
         _log("=== rate %s ===" % rate)
@@ -598,7 +598,7 @@ def run_rate(args, rate, shapes=None, plot=None):
             notes.append(mode + " mode " + skipped[mode])
 
     if plot is None:
-        plot = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
+        plot = plot_path(args)
     if args.cleanup_stale:
         for name in netns.stale_namespaces():
             subprocess.run(["ip", "netns", "del", name], timeout=netns.CMD_TIMEOUT)

@@ -56,6 +56,8 @@ import time
 
 import numpy as np
 
+from . import plot_path
+
 DEFAULT_ISAS = "native,x86-64-v3,x86-64"
 OPS = ("quantize_2bit", "quantize_2bit_fp16", "quantize_2bit_eager", "settle_2bit", "l1_stats",
        "dequantize_2bit", "dequantize_2bit_accumulate", "select_kernels",
@@ -572,7 +574,7 @@ def run(args):
     report["targets"] = targets
     if args.compute_rounds > 0:
         report["compute_check"] = compute_check(args)
-    plot = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
+    plot = plot_path(args)
     if plot and first:
         write_plot(report, plot)
         report["plot"] = plot

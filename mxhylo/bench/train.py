@@ -51,7 +51,7 @@ import sys
 import tempfile
 import time
 
-from . import netns, sweep
+from . import netns, plot_path, sweep
 from .comm import (ShapedRun, hylo_available, hylo_summary,
                    machine_info, model_summary, parse_hylo_options, parse_list, role_names,
                    shapes_in_subprocess, wire_summary)
@@ -637,7 +637,7 @@ def run(args):
     report = sweep.sweep_report("train", rates, per_rate, BASELINE, DEFAULT_MODE)
     for line in sweep.format_sweep(report):
         _log(line)
-    plot = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
+    plot = plot_path(args)
     if plot:
         sweep.write_sweep_plot(report, plot)
         report["plot"] = plot
@@ -664,7 +664,7 @@ def run_rate(args, plot=None):
                        "MXNet and Gloo)"
                     for m in modes if m in HOROVOD_MODES and not horovod_available()})
     if plot is None:
-        plot = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
+        plot = plot_path(args)
     if args.cleanup_stale:
         for name in netns.stale_namespaces():
             subprocess.run(["ip", "netns", "del", name], timeout=netns.CMD_TIMEOUT)
