@@ -23,8 +23,28 @@ def evaluate(net, x, y, ctx):
     return correct / len(y)
 
 
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def lr_scheduler(schedule, lr, total_steps, warmup_steps):
+    """The learning-rate scheduler of ``schedule`` (None for 'constant', the fixed
+    ``lr``): 'cosine' is gluoncv's ``--lr-mode cosine``, a linear ramp from 0 over
+    ``warmup_steps`` updates, then a cosine from ``lr`` down to 0 at ``total_steps``."""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError("lr_schedule must be one of %s, got %r"
+                         % (", ".join(LR_SCHEDULES), schedule))
+    if warmup_steps < 0 or (schedule == "cosine" and warmup_steps >= total_steps):
+        raise ValueError("warm-up of %d steps does not fit a run of %d steps"
+                         % (warmup_steps, total_steps))
+    if schedule == "constant":
+        return None
+    return mx.lr_scheduler.CosineScheduler(max_update=total_steps, base_lr=lr, final_lr=0.0,
+                                           warmup_steps=warmup_steps, warmup_begin_lr=0.0)
+
+
 def train(kvstore="device", contexts=None, epochs=10, batch_size=64, lr=0.05, momentum=0.9,
-          wd=1e-4, seed=0, log=None, net="digits_net", test_fraction=0.25, eval_every=None):
+          wd=1e-4, seed=0, log=None, net="digits_net", test_fraction=0.25, eval_every=None,
+          lr_schedule="constant", warmup_epochs=0.0):
     """Train a digits net with SGD; returns a dict (accuracy, history: test accuracy after
     every epoch, curve: [(step, test accuracy)] every ``eval_every`` steps (default: each
     epoch), seconds, params: name -> numpy array of every trainable parameter, stats:
@@ -32,6 +52,9 @@ def train(kvstore="device", contexts=None, epochs=10, batch_size=64, lr=0.05, mo
 
     net: a name of mxhylo.models.NETS (digits_net at 8x8, conv_net at 16x16, resnet20 at
     16x16 in 3 channels); test_fraction: of the 1797 images held out.
+
+    lr_schedule: 'constant' (``lr`` throughout) or 'cosine' (see :func:`lr_scheduler`,
+    ``warmup_epochs`` of linear ramp first, then down to 0 at the last step).
 
     kvstore: a name or a KVStoreBase (None: no kvstore); contexts: list of mx.Context
     (default [cpu(0), cpu(1)]: two devices in one process). batch_size is per worker and
@@ -51,13 +74,17 @@ def train(kvstore="device", contexts=None, epochs=10, batch_size=64, lr=0.05, mo
     net.initialize(mx.init.Xavier(), ctx=contexts)
     net.hybridize()
     kv = mx.kv.create(kvstore) if isinstance(kvstore, str) else kvstore
-    trainer = gluon.Trainer(net.collect_params(), "sgd",
-                            {"learning_rate": lr, "momentum": momentum, "wd": wd},
-                            kvstore=kv, update_on_kvstore=False if kv is not None else None)
     workers, rank = (kv.num_workers, kv.rank) if kv is not None else (1, 0)
     x_mine, y_mine = shard(x_train, y_train, workers, rank)
-    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     steps_per_epoch = len(y_mine) // batch_size
+    sgd = {"learning_rate": lr, "momentum": momentum, "wd": wd}
+    scheduler = lr_scheduler(lr_schedule, lr, epochs * steps_per_epoch,
+                             int(round(warmup_epochs * steps_per_epoch)))
+    if scheduler is not None:
+        sgd["lr_scheduler"] = scheduler
+    trainer = gluon.Trainer(net.collect_params(), "sgd", sgd,
+                            kvstore=kv, update_on_kvstore=False if kv is not None else None)
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     rng = np.random.RandomState(seed + 1000 * rank)
     start = time.time()
     history, curve, done = [], [], 0

@@ -1,12 +1,12 @@
 """Accuracy study: does compressed training converge per step like dense?
 
 ``python -m mxhylo.bench accuracy [--nets digits_net,conv_net,resnet20 --lrs 0.02,0.05,0.1
---epochs 20 --short-epochs 6 --modes dense,hylo,hylo_densepull,hylo_pull2bit --seeds 3
---workers 4 --servers 2] --json F``
+--epochs 20 --short-epochs 6 --lr-schedule cosine --warmup-epochs 1
+--modes dense,hylo,hylo_densepull,hylo_pull2bit --seeds 3 --workers 4 --servers 2] --json F``
 
 For every net, learning rate, seed and mode, one parameter-server job (``python -m
 mxhylo.launch -n W -s S``) whose workers each call :func:`mxhylo.digits.train` (momentum
-SGD 0.9, wd 1e-4, constant learning rate, per-worker batch, each worker on its shard of
+SGD 0.9, wd 1e-4, per-worker batch, each worker on its shard of
 scikit-learn's digits: 1347 training / 450 test images) and record test accuracy every
 ``--eval-every`` steps. Only the kvstore differs between modes:
 
@@ -22,8 +22,14 @@ scikit-learn's digits: 1347 training / 450 test images) and record test accuracy
 - ``hylo_pull2bit``: compress_pull='2bit'.
 - ``hylo_nomc``: the default without momentum correction (plain error feedback).
 
-Budgets: the learning rate is constant, so a run of ``--short-epochs`` is exactly the
-first part of the ``--epochs`` run; both budgets come from one job. Per cell (net,
+Learning rate: by default as gluoncv's training scripts schedule it (``--lr-mode cosine``
+with a warm-up): a linear ramp over ``--warmup-epochs``, then a cosine to 0 at the
+budget's last step, so each budget (``--short-epochs``, ``--epochs``) is its own job and
+its final accuracy is that of a model trained to the end of its schedule. With
+``--lr-schedule constant`` a run of ``--short-epochs`` is exactly the first part of the
+``--epochs`` run and both budgets come from one job (the study's first protocol: at a
+constant rate the last evaluation of a short budget lands wherever the noise of the
+rate leaves it). Per cell (net,
 learning rate, budget) the report gives each mode's final test accuracy (mean, sd,
 per seed), and the steps it needs to reach 95% of dense's mean final accuracy
 (per seed, from the curve; the cell's figure is the mean over seeds, None if a seed
@@ -91,6 +97,11 @@ def add_arguments(parser):
     parser.add_argument("--epochs", type=int, default=20, help="long budget, epochs (20)")
     parser.add_argument("--short-epochs", type=int, default=6,
                         help="short budget, epochs: the first part of each run (6)")
+    parser.add_argument("--lr-schedule", default="cosine", choices=("cosine", "constant"),
+                        help="cosine: warm-up then down to 0 at each budget's end, one job "
+                             "per budget; constant: one job for both budgets (cosine)")
+    parser.add_argument("--warmup-epochs", type=float, default=1.0,
+                        help="cosine: epochs of linear warm-up from 0 (1)")
     parser.add_argument("--eval-every", type=int, default=5,
                         help="steps between test evaluations (5)")
     parser.add_argument("--workers", type=int, default=4, help="workers per job (4)")
@@ -119,6 +130,7 @@ def _config(args):
            "lrs": _floats(args.lrs),
            "modes": [m.strip() for m in args.modes.split(",") if m.strip()],
            "seeds": args.seeds, "epochs": args.epochs, "short_epochs": args.short_epochs,
+           "lr_schedule": args.lr_schedule, "warmup_epochs": args.warmup_epochs,
            "eval_every": args.eval_every, "workers": args.workers, "servers": args.servers,
            "batch_size": args.batch_size, "threshold": args.threshold}
     try:
@@ -136,14 +148,32 @@ def _config(args):
     if not cfg["lrs"] or min(cfg["lrs"]) <= 0:
         raise SystemExit("accuracy: --lrs must be positive numbers, got %r" % args.lrs)
     if min(args.seeds, args.epochs, args.short_epochs, args.workers, args.servers,
-           args.eval_every, args.batch_size) < 1 or args.short_epochs > args.epochs:
+           args.eval_every, args.batch_size) < 1 or args.short_epochs > args.epochs \
+            or not 0 <= args.warmup_epochs < args.short_epochs:
         raise SystemExit("accuracy: --seeds, --epochs, --short-epochs (<= --epochs), "
-                         "--eval-every, --workers, --servers, --batch-size must be >= 1")
+                         "--eval-every, --workers, --servers, --batch-size must be >= 1, "
+                         "--warmup-epochs in [0, --short-epochs)")
     return cfg
 
 
-def _run_id(net, lr, mode, seed):
-    return "%s/lr%g/%s/seed%d" % (net, lr, mode, seed)
+def budgets(cfg):
+    """Epoch counts of the jobs each (net, lr, mode, seed) needs: one job covers both
+    budgets at a constant rate, a schedule that ends with the budget needs one each."""
+    if cfg["lr_schedule"] == "constant":
+        return [cfg["epochs"]]
+    return sorted({cfg["short_epochs"], cfg["epochs"]})
+
+
+def job_for_budget(cfg, epochs):
+    """The epochs of the job whose curve gives the cell of budget ``epochs``."""
+    return cfg["epochs"] if cfg["lr_schedule"] == "constant" else epochs
+
+
+def _run_id(cfg, net, lr, mode, seed, epochs):
+    if cfg["lr_schedule"] == "constant":
+        return "%s/lr%g/%s/seed%d" % (net, lr, mode, seed)
+    return "%s/lr%g/%s/seed%d/%s%g-e%d" % (net, lr, mode, seed, cfg["lr_schedule"],
+                                           cfg["warmup_epochs"], epochs)
 
 
 def run(args):
@@ -167,10 +197,12 @@ def run(args):
         for net in cfg["nets"]:
             for lr in cfg["lrs"]:
                 for seed in range(cfg["seeds"]):
-                    for mode in cfg["modes"]:   # interleaved: machine load drifts
-                        rid = _run_id(net, lr, mode, seed)
+                    for epochs, mode in [(e, m) for e in budgets(cfg)
+                                         for m in cfg["modes"]]:   # interleaved: load drifts
+                        rid = _run_id(cfg, net, lr, mode, seed, epochs)
                         if rid not in done:
-                            r = launch_job(cfg, net, lr, mode, seed, tmp, args.job_timeout)
+                            r = launch_job(cfg, net, lr, mode, seed, epochs, tmp,
+                                           args.job_timeout)
                             r["id"] = rid
                             done[rid] = r
                             if runs_file:
@@ -188,11 +220,13 @@ def run(args):
     return report
 
 
-def launch_job(cfg, net, lr, mode, seed, tmp, timeout):
-    """One parameter-server job; returns rank 0's result (plus every rank's checksum)."""
-    out = os.path.join(tmp, "%s-%g-%s-%d-{rank}.json" % (net, lr, mode, seed))
+def launch_job(cfg, net, lr, mode, seed, epochs, tmp, timeout):
+    """One parameter-server job of ``epochs``; returns rank 0's result (plus every
+    rank's checksum)."""
+    out = os.path.join(tmp, "%s-%g-%s-%d-%d-{rank}.json" % (net, lr, mode, seed, epochs))
     worker = [sys.executable, "-m", "mxhylo.bench.accuracy", "--mode", mode, "--net", net,
-              "--seed", str(seed), "--epochs", str(cfg["epochs"]),
+              "--seed", str(seed), "--epochs", str(epochs),
+              "--lr-schedule", cfg["lr_schedule"], "--warmup-epochs", str(cfg["warmup_epochs"]),
               "--eval-every", str(cfg["eval_every"]),
               "--batch-size", str(cfg["batch_size"]), "--lr", str(lr),
               "--threshold", str(cfg["threshold"]),
@@ -206,14 +240,14 @@ def launch_job(cfg, net, lr, mode, seed, tmp, timeout):
                          timeout=timeout + 60)
     if res.returncode != 0:
         raise RuntimeError("accuracy: %s failed (exit %d):\n%s"
-                           % (_run_id(net, lr, mode, seed), res.returncode,
+                           % (_run_id(cfg, net, lr, mode, seed, epochs), res.returncode,
                               res.stdout[-4000:]))
     ranks = []
     for r in range(cfg["workers"]):
         with open(out.format(rank=r)) as f:
             ranks.append(json.load(f))
     result = ranks[0]
-    result.update(net=net, lr=lr, mode=mode, seed=seed,
+    result.update(net=net, lr=lr, mode=mode, seed=seed, epochs=epochs,
                   rank_accuracies=[r["accuracy"] for r in ranks],
                   rank_checksums=[r["param_checksum"] for r in ranks],
                   job_seconds=time.time() - t0)
@@ -278,13 +312,21 @@ def summarize(cfg, results):
     cells, checks, curves = {}, {}, {}
     for net in cfg["nets"]:
         for lr in cfg["lrs"]:
-            runs = [r for r in results if r["net"] == net and r["lr"] == lr]
-            if not runs:
-                continue
-            spe = runs[0]["steps_per_epoch"]
-            curves["%s lr=%g" % (net, lr)] = {
-                m: [r["curve"] for r in runs if r["mode"] == m] for m in cfg["modes"]}
+            for job_epochs in budgets(cfg):
+                runs = [r for r in results if r["net"] == net and r["lr"] == lr
+                        and r.get("epochs", cfg["epochs"]) == job_epochs]
+                if runs:
+                    panel = ("%s lr=%g" % (net, lr) if cfg["lr_schedule"] == "constant"
+                             else "%s lr=%g epochs=%d" % (net, lr, job_epochs))
+                    curves[panel] = {m: [r["curve"] for r in runs if r["mode"] == m]
+                                     for m in cfg["modes"]}
             for epochs in sorted({cfg["short_epochs"], cfg["epochs"]}):
+                job_epochs = job_for_budget(cfg, epochs)
+                runs = [r for r in results if r["net"] == net and r["lr"] == lr
+                        and r.get("epochs", cfg["epochs"]) == job_epochs]
+                if not runs:
+                    continue
+                spe = runs[0]["steps_per_epoch"]
                 name = "%s lr=%g epochs=%d" % (net, lr, epochs)
                 cell = cells[name] = summarize_cell(runs, "dense", epochs * spe)
                 if "hylo" in cell and "dense" in cell:
@@ -348,8 +390,10 @@ def make_plots(report, folder):
             steps = [s for s, _ in curves[0]]
             acc = np.mean([[a for _, a in c][:len(steps)] for c in curves], axis=0)
             ax.plot(steps, 100 * acc, color=COLORS[mode], label=mode, linewidth=1.2)
-        ax.axvline(report["config"]["short_epochs"] * (steps[-1] / report["config"]["epochs"]),
-                   color="grey", linestyle=":", linewidth=0.8)
+        if report["config"].get("lr_schedule", "constant") == "constant":
+            ax.axvline(report["config"]["short_epochs"]
+                       * (steps[-1] / report["config"]["epochs"]),
+                       color="grey", linestyle=":", linewidth=0.8)
         ax.set_title(name, fontsize=9)
         ax.set_ylim(0, 100)
         ax.grid(alpha=0.3)
@@ -358,9 +402,12 @@ def make_plots(report, folder):
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7, loc="lower right")
-    fig.suptitle("digits, %d workers + %d servers, mean of %d seeds; dotted: short budget"
-                 % (report["config"]["workers"], report["config"]["servers"],
-                    report["config"]["seeds"]), fontsize=10)
+    cfg = report["config"]
+    schedule = cfg.get("lr_schedule", "constant")
+    fig.suptitle("digits, %d workers + %d servers, mean of %d seeds; lr %s%s"
+                 % (cfg["workers"], cfg["servers"], cfg["seeds"], schedule,
+                    "; dotted: short budget" if schedule == "constant"
+                    else " (warm-up %g epochs)" % cfg["warmup_epochs"]), fontsize=10)
     fig.tight_layout()
     path = os.path.join(folder, "accuracy_curves.png")
     fig.savefig(path, dpi=100)
@@ -451,6 +498,8 @@ def _worker_parser():
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"))
+    p.add_argument("--warmup-epochs", type=float, default=0.0)
     p.add_argument("--threshold", type=float, default=2.0)
     p.add_argument("--hylo-options", default="{}",
                    help="JSON object of mxhylo.create options under the mode's own")
@@ -474,7 +523,8 @@ def worker_main(argv=None):
         kv = mxhylo.create("dist_sync_hylo", **options)
     result = digits.train(kvstore=kv, contexts=[mx.cpu(0)], epochs=args.epochs,
                           batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                          net=args.net, eval_every=args.eval_every)
+                          net=args.net, eval_every=args.eval_every,
+                          lr_schedule=args.lr_schedule, warmup_epochs=args.warmup_epochs)
     sizes = {name: int(a.size) for name, a in result["params"].items()}
     stats = result["stats"]
     if args.mode in HYLO_OPTIONS:
