@@ -33,6 +33,8 @@ errs towards dense.
 
 Every worker must reach the same plan (the servers' layouts depend on it): rank 0
 measures, and the transport shares its numbers (CostModel.to_array / from_array).
+The store measures at start-up and again every ``cost_recheck_steps`` Trainer steps,
+and plans every layer again then (kvstore.hylo.Hylo.recheck_costs).
 """
 from dataclasses import dataclass, field
 from typing import Dict

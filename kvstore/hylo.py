@@ -37,10 +37,11 @@ from . import momentum as momentum_correction
 from .compressors import make_compressors
 from .cost_model import CostModel, WireCost, time_codec
 from .memory import ResidualMemory
-from .policy import DEFAULT_SIZE_THRESHOLD, LayerPolicy, compress_pull_mode
+from .policy import DEFAULT_SIZE_THRESHOLD, LayerPolicy, compress_pull_mode, pull_codec
 from .stats import TrafficStats
 from .transport_local import LocalTransport
 from .transport_horovod import launched_by_horovodrun    # (imports no horovod)
+from .wire import STATEFUL_PULLS
 from . import active, trainer_hook
 
 
@@ -48,6 +49,8 @@ DEFAULT_WARMUP_STEPS = 30
 # dense probe layers the cost model times at start-up: 64 KB and 4 MB of float32
 COST_PROBE_ELEMENTS = (1 << 14, 1 << 20)
 COST_PROBE_REPEATS = 3
+# Trainer steps between two measurements of the cost model (and re-plans)
+DEFAULT_COST_RECHECK_STEPS = 1000
 
 
 class Layer:
@@ -101,6 +104,11 @@ class Hylo(KVStoreBase):
         where the model predicts compression does not save at least 10% of its
         exchange time (a fast network). Every worker uses rank 0's numbers, so all
         reach the same plan; stats()['cost_model'] has each layer's prediction.
+      cost_recheck_steps: with the cost model, measure again every this many Trainer
+        steps (None: DEFAULT_COST_RECHECK_STEPS, 1000; 0: only at start-up) and re-plan:
+        a network that got faster or slower mid-run is seen within that many steps. A
+        layer that leaves its codec sends its residual with its next exchange; see
+        recheck_costs.
       chunk_elements, bucket_bytes, stall_timeout: parameter-server transport options
         (largest piece of a layer in one key; size of the buckets small layers are fused
         into; seconds an exchange may take before the worker ends with an error naming
@@ -112,7 +120,8 @@ class Hylo(KVStoreBase):
     def __init__(self, size_threshold=None, conv_rate=None, policy=None, max_conv_rate=0.1,
                  min_conv_rate=0.01, threshold_scale=1.0, compress_pull="auto",
                  momentum_correction="auto", momentum_masking=False, warmup_steps=None,
-                 cost_model="auto", transport="auto", **transport_options):
+                 cost_model="auto", cost_recheck_steps=None, transport="auto",
+                 **transport_options):
         if cost_model not in ("auto", True, False):
             raise ValueError("cost_model must be 'auto', True or False, got %r"
                              % (cost_model,))
@@ -144,6 +153,13 @@ class Hylo(KVStoreBase):
             raise ValueError("warmup_steps must be a non-negative int, got %r"
                              % (warmup_steps,))
         self.warmup_steps = int(warmup_steps)
+        if cost_recheck_steps is None:
+            cost_recheck_steps = DEFAULT_COST_RECHECK_STEPS
+        if not isinstance(cost_recheck_steps, (int, np.integer)) or cost_recheck_steps < 0:
+            raise ValueError("cost_recheck_steps must be a non-negative int, got %r"
+                             % (cost_recheck_steps,))
+        self.cost_recheck_steps = int(cost_recheck_steps)
+        self._trainer_steps = 0   # exchange_step calls: when to measure the costs again
         self._momentum = None     # MomentumContext during a Trainer's step, else None
         self.memory = ResidualMemory()
         self.traffic = TrafficStats()
@@ -241,7 +257,7 @@ class Hylo(KVStoreBase):
         encode_s = []                    # per layer: seconds of this step's encode
 
         warm = [self._warming_up(layer) for layer in layers]
-        corrected = [self._momentum is not None and layer.plan.strategy != "none" and not w
+        corrected = [self._momentum is not None and not w and self._corrects(layer)
                      for layer, w in zip(layers, warm)]
 
         def encode_each():                                  # 1. reduce, 2. encode
@@ -253,7 +269,14 @@ class Hylo(KVStoreBase):
                     grad = momentum_correction.accumulate(layer.plan.name, grad,
                                                           self.memory, self._momentum)
                 compressor = self.compressors["none"] if w else layer.compressor
-                payload = compressor.encode(layer.plan, grad, self.memory)
+                send = grad
+                if layer.plan.strategy == "none":
+                    # a layer re-planned dense (recheck_costs) sends what its codec
+                    # still owed, once: nothing waits in a residual no codec reads
+                    owed = self.memory.pop_codec_state(layer.plan.name)
+                    if owed is not None:
+                        send = grad.astype(np.float32, copy=False) + owed
+                payload = compressor.encode(layer.plan, send, self.memory)
                 if mc:      # the velocity runs on (masked where sent, if asked)
                     momentum_correction.keep_velocity(
                         layer.plan.name, grad, payload, layer.compressor, self.memory,
@@ -329,6 +352,10 @@ class Hylo(KVStoreBase):
         gradient. The order changes no value (every layer's sum is its own).
         """
         self.attach_trainer(trainer)
+        self._trainer_steps += 1
+        if (self.cost is not None and self.cost_recheck_steps
+                and self._trainer_steps % self.cost_recheck_steps == 0):
+            self.recheck_costs()
         # (Gluon refuses sparse gradients with a KVStoreBase store: all are dense)
         keys = [i for i, p in enumerate(trainer._params) if p.grad_req != "null"]
         keys.reverse()          # in the order backward produces them
@@ -338,6 +365,17 @@ class Hylo(KVStoreBase):
             self.pushpull(keys, grads)
         finally:
             self._momentum = None
+
+    def _corrects(self, layer):
+        """Whether momentum correction applies to ``layer``: a compressed layer, or one
+        re-planned dense after its velocity lived here (without masking). That layer's
+        velocity runs on and goes out whole each step: the optimizer's momentum buffer
+        stays the telescoped sum it was (kvstore.momentum), which is dense momentum SGD
+        exactly once nothing is owed."""
+        if layer.plan.strategy != "none":
+            return True
+        return (not self.momentum_masking
+                and self.memory.scalar(layer.plan.name, "previous_rescale") is not None)
 
     def _warming_up(self, layer):
         """Whether this exchange of a compressed layer is one of its warm-up steps."""
@@ -456,9 +494,46 @@ class Hylo(KVStoreBase):
 
     # -- the cost model (kvstore.cost_model) ---------------------------------------------
 
+    def recheck_costs(self):
+        """Measure the cost model again and re-plan every layer seen so far (collective:
+        every worker calls it at the same step, between exchanges; exchange_step does
+        every cost_recheck_steps steps). Each layer whose choice changes gets keys for
+        its new plan. One that leaves its codec sends its residual with its next
+        exchange (and with momentum correction its velocity runs on: _corrects). One
+        that starts compressing starts as after its warm-up. Nothing owed is lost: a
+        layer whose aggregate the servers re-compress (compress_pull 'layer' or '2bit',
+        with a residual of their own) keeps its plan.
+        Returns {layer name: (old strategy, new strategy)} of the layers that changed."""
+        if self.cost is None:
+            raise ValueError("recheck_costs needs the cost model (this store was created "
+                             "with cost_model off, or with options that override it)")
+        self.cost = self._measure_costs()
+        changed = {}
+        for layer in list(self._layers.values()):
+            plan = self._plan(layer.plan.name, layer.plan.shape)
+            if plan.strategy == layer.plan.strategy:
+                continue
+            if pull_codec(layer.plan.strategy, self.compress_pull) in STATEFUL_PULLS:
+                continue    # the servers' residual of its pull would be lost: it stays
+            new = Layer(layer.key, plan, self.compressors[plan.strategy])
+            self.transport.replan(layer, new)
+            self._layers[layer.key] = new
+            if plan.strategy != "none":        # no second warm-up mid-run
+                self.memory.set_scalar(plan.name, "warmup_done", self.warmup_steps)
+            changed[plan.name] = (layer.plan.strategy, plan.strategy)
+        return changed
+
     def _measure_costs(self):
         """Time dense exchanges of the probe layers (every worker: the servers need all
-        pushes) and, on rank 0, the codecs; the CostModel of rank 0's numbers."""
+        pushes) and, on rank 0, the codecs; the CostModel of rank 0's numbers. The
+        probes do not count in stats()."""
+        traffic, self.traffic = self.traffic, TrafficStats()
+        try:
+            return self._measure_costs_now()
+        finally:
+            self.traffic = traffic
+
+    def _measure_costs_now(self):
         nbytes, seconds = [], []
         for n in COST_PROBE_ELEMENTS:
             key = "__hylo_cost_probe_%d__" % n
@@ -473,7 +548,6 @@ class Hylo(KVStoreBase):
             nbytes.append(4 * n)
             seconds.append(float(np.median(times[1:])))
             del self._layers[key]               # not a layer of the model: no stats
-        self.traffic = TrafficStats()
         strategies = ("conv_topk", "fc_2bit")
         values = np.zeros(2 + 2 * len(strategies))
         if self.rank == 0:

@@ -30,6 +30,9 @@ class Owed:
 
 # float32 arrays of a layer's shape besides the residual (kvstore.momentum)
 ARRAY_FIELDS = ("velocity", "previous_aggregate")
+# scalars the store keeps per layer whatever its codec (warm-up count, kvstore.momentum);
+# every other scalar is its codec's state (e.g. fc_2bit's threshold)
+STORE_SCALARS = ("warmup_done", "previous_rescale", "previous_lr")
 
 
 class ResidualMemory:
@@ -116,6 +119,17 @@ class ResidualMemory:
         res = self._residuals.get(name)
         if res is not None and name in self._owed:
             self._settle(name, res, self._owed[name])
+        return res
+
+    def pop_codec_state(self, name):
+        """Forget layer ``name``'s codec state (its residual, what is owed on it, its
+        codec's scalars; not STORE_SCALARS nor the momentum arrays) and return the
+        residual, settled (float32 NDArray), or None if it had none: a layer that
+        leaves its codec must send it (kvstore.hylo, re-planning)."""
+        res = self.get(name)
+        self._residuals.pop(name, None)
+        for key in [k for k in self._scalars if k[0] == name and k[1] not in STORE_SCALARS]:
+            del self._scalars[key]
         return res
 
     def scalar(self, name, field):

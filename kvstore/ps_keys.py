@@ -168,11 +168,7 @@ class KeyTable:
         self.check_same_model(layer)
         bkey, _ = self._place(0)      # used once, at init: not part of the steady load
         keys, values = [bkey], [value]
-        chunks, warm = [], []
-        layouts = plan_chunks(layer.plan.strategy, layer.plan.shape, self.num_workers,
-                              self.num_servers, self.chunk_elements, self.split_elements,
-                              pull=pull_codec(layer.plan.strategy, self.compress_pull),
-                              pull_rate=layer.plan.rate, push_k=layer.plan.k)
+        warm = []
         if self.warmup and layer.plan.strategy != "none":
             # dense keys for the warm-up steps (not counted in the steady load)
             for chunk in plan_chunks("none", layer.plan.shape, self.num_workers,
@@ -185,7 +181,24 @@ class KeyTable:
                 self.layouts[pskey] = (layer.plan.name + " (warm-up)", chunk)
                 keys.append(pskey)
                 values.append(mx.nd.zeros(chunk.key_shape, ctx=mx.cpu()))
-        for chunk in layouts:
+        chunks = self._new_chunks(layer, keys, values)
+        self.kv.init(keys, values)      # one barrier for the layer
+        self._bcast[layer.key] = bkey
+        self.chunks[layer.key] = chunks
+        if warm:
+            self.warm_chunks[layer.key] = warm
+        self.layer_shapes[layer.plan.name] = tuple(layer.plan.shape)
+        self.layouts_sent = False
+
+    def _new_chunks(self, layer, keys, values):
+        """[Chunk] of ``layer``'s plan, each placed on the least-loaded server, its
+        layout recorded for the servers; appends each key and its initial value to
+        ``keys`` and ``values`` (for the caller's kv.init)."""
+        chunks = []
+        for chunk in plan_chunks(layer.plan.strategy, layer.plan.shape, self.num_workers,
+                                 self.num_servers, self.chunk_elements, self.split_elements,
+                                 pull=pull_codec(layer.plan.strategy, self.compress_pull),
+                                 pull_rate=layer.plan.rate, push_k=layer.plan.k):
             pskey, server = self._place(chunk.wire_nbytes)
             chunk = dataclasses.replace(chunk, server=server)
             chunks.append(Chunk(pskey, chunk))
@@ -198,12 +211,31 @@ class KeyTable:
                 self.pull_buffers[pskey] = (
                     mx.nd.sparse.zeros("row_sparse", chunk.key_shape),
                     mx.nd.arange(chunk.pull_rows, dtype=np.int64))
-        self.kv.init(keys, values)      # one barrier for the layer
-        self._bcast[layer.key] = bkey
-        self.chunks[layer.key] = chunks
-        if warm:
-            self.warm_chunks[layer.key] = warm
-        self.layer_shapes[layer.plan.name] = tuple(layer.plan.shape)
+        return chunks
+
+    def replan(self, old, new):
+        """Keys for ``new``: layer ``old`` (the same key and shape) under another plan
+        (kvstore.hylo.recheck_costs). Collective, as init is: every worker calls it at
+        the same point, between exchanges. A compressed layer going dense takes its
+        warm-up keys (dense keys of its shape) if it has them; a dense layer going
+        compressed keeps its dense keys as warm-up keys, for a later way back. Keys
+        left unused stay on the servers (a few per re-plan)."""
+        self.check_same_model(new)
+        for c in self.chunks[old.key]:
+            self._load[c.layout.server] -= c.layout.wire_nbytes
+        spare = self.warm_chunks.pop(old.key, None)
+        keys, values = [], []
+        if new.plan.strategy == "none" and spare is not None:
+            chunks = spare      # (their layouts, "(warm-up)" in name, stay as the servers
+            for c in chunks:    # have them: a key's layout never changes)
+                self._load[c.layout.server] += c.layout.wire_nbytes
+        else:
+            chunks = self._new_chunks(new, keys, values)
+        if old.plan.strategy == "none" and new.plan.strategy != "none":
+            self.warm_chunks[old.key] = self.chunks[old.key]
+        if keys:
+            self.kv.init(keys, values)
+        self.chunks[old.key] = chunks
         self.layouts_sent = False
 
     def broadcast_key(self, layer):

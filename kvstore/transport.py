@@ -65,6 +65,12 @@ class Transport(abc.ABC):
     def prepare(self, layers):
         """Create what an exchange of ``layers`` needs, before its first push."""
 
+    def replan(self, old, new):
+        """Layer ``old`` travels under ``new``'s plan from the next exchange on (the
+        same key and shape; kvstore.hylo.recheck_costs). Collective: every worker calls
+        it at the same point, between exchanges. Transports without keys (in-process,
+        Horovod's collectives) have nothing to do."""
+
     @abc.abstractmethod
     def exchange(self, items):
         """Move (layer, payload, out) items: every worker's payloads of a layer,

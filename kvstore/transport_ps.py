@@ -162,6 +162,9 @@ class PSTransport(Transport):
     def prepare(self, layers):
         self.keys.prepare(layers)
 
+    def replan(self, old, new):
+        self.keys.replan(old, new)
+
     def share_from_rank0(self, values):
         return self.keys.share_from_rank0(values)
 

@@ -76,6 +76,11 @@ CODEC_INDEX = {name: i for i, name in enumerate(CODEC_NAMES)}
 ROW_ID_BYTES = 8              # row_sparse pushes and pulls carry int64 row ids
 
 
+# pull codecs the servers encode with a residual of their own (compress_pull 'layer',
+# '2bit'): such a chunk's key also carries that state for checkpoints
+STATEFUL_PULLS = ("fc_2bit", "conv_topk")
+
+
 @dataclass(frozen=True)
 class ChunkLayout:
     """One parameter-server key carrying a piece of one layer.
@@ -123,7 +128,7 @@ class ChunkLayout:
     @property
     def stateful_pull(self):
         """Whether the server keeps a residual for this chunk's pull (checkpoints)."""
-        return self.pull in ("fc_2bit", "conv_topk")
+        return self.pull in STATEFUL_PULLS
 
     @property
     def pull_rows(self):

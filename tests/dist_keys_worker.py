@@ -14,6 +14,10 @@
         writing the last completed step to OUT after each (the test stops a server)
     python tests/dist_keys_worker.py fp16 OUT       a layer in 3 chunks with the fp16 codec
         (policy), 3 steps of seeded gradients; writes OUT.npz too
+    python tests/dist_keys_worker.py recheck OUT    the cost model measured again mid-run
+        (real probes; its numbers forced slow, fast, slow, fast): layers re-planned dense,
+        compressed, dense again; random gradients; writes the sums sent and received
+        to OUT.npz
     python tests/dist_keys_worker.py order:HOW OUT  a small conv net trained 4 steps by a
         gluon.Trainer, its step exchanged in one call last layer first (HOW=step, the
         store's hook) or by Gluon's own loop, one key at a time in order (HOW=serial);
@@ -200,6 +204,61 @@ def trainer_order(how):
     json.dump({"policies": policies, "buckets": len(kv.transport.keys.bucket_keys)},
               open(out.format(rank=kv.rank), "w"))
 
+
+def recheck():
+    """Layers compressed, then dense, compressed and dense again, by recheck_costs;
+    the cost model's probes are real, only its fitted wire numbers are forced."""
+    from mxhylo.kvstore import hylo as hylo_store
+    from mxhylo.kvstore.cost_model import CostModel, WireCost
+
+    per_byte = iter([1e-6, 1e-15, 1e-6, 1e-15])     # slow, fast, slow, fast
+    real = CostModel.from_array.__func__
+
+    def forced(cls, array, *args, **kwargs):
+        model = real(cls, array, *args, **kwargs)
+        model.wire = WireCost(model.wire.latency_s, next(per_byte))
+        return model
+    hylo_store.CostModel.from_array = classmethod(forced)
+    kv = mxhylo.create("dist_sync_hylo", cost_model=True, warmup_steps=1,
+                       chunk_elements=4096, split_elements=8192,
+                       policy={"^conv$": "conv_topk", "^fc$": "fc_2bit", ".*": "none"})
+    shapes = {"conv": (64, 16, 3, 3), "fc": (96, 200), "bias": (10,)}
+    keys = sorted(shapes)
+    kv.broadcast(keys, [mx.nd.zeros(shapes[k]) for k in keys],
+                 out=[mx.nd.zeros(shapes[k]) for k in keys])
+    rng = np.random.RandomState(7 + kv.rank)
+    sent = {k: np.zeros(shapes[k], np.float64) for k in keys}
+    got = {k: np.zeros(shapes[k], np.float64) for k in keys}
+    strategies, changes = [], []
+
+    def step():
+        grads = [rng.normal(0, 0.01, shapes[k]).astype(np.float32) for k in keys]
+        outs = [mx.nd.array(g) for g in grads]
+        kv.pushpull(keys, outs)
+        for k, g, o in zip(keys, grads, outs):
+            sent[k] += g
+            got[k] += o.asnumpy()
+        strategies.append({k: p.strategy for k, p in kv.plans().items()})
+
+    for phase in range(4):
+        for _ in range(3):
+            step()
+        np.savez(out.format(rank=kv.rank) + ".phase%d.npz" % phase,
+                 **{"sent/" + k: sent[k] for k in keys},
+                 **{"got/" + k: got[k] for k in keys})
+        if phase < 3:
+            changes.append({n: list(c) for n, c in kv.recheck_costs().items()})
+    stats = kv.stats()
+    json.dump({"rank": kv.rank, "strategies": strategies, "changes": changes,
+               "steps": stats["steps"], "warmup_done": {
+                   k: kv.memory.scalar(k, "warmup_done") for k in ("conv", "fc")},
+               "decisions": {n: p["strategy"] for n, p in stats["cost_model"]["layers"].items()}},
+              open(out.format(rank=kv.rank), "w"))
+
+
+if mode == "recheck":
+    recheck()
+    sys.exit(0)
 
 if mode.startswith("order:"):
     trainer_order(mode[len("order:"):])

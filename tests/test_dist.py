@@ -266,3 +266,33 @@ def test_cost_model_every_worker_reaches_rank0s_plan(tmp_path):
         assert p["strategy"] in ("none", "conv_topk", "fc_2bit"), (name, p)
         assert p["strategy"] == "none" or p["codec_s"] < p["dense_s"], (name, p)
         assert reports[0]["plans"][name] == p["strategy"], name
+
+
+def test_cost_model_rechecked_mid_run_replans_and_loses_nothing(tmp_path):
+    """recheck_costs (real probes mid-run, the fitted wire forced slow, fast, slow,
+    fast): layers go compressed -> dense -> compressed -> dense on both workers at the
+    same step, on keys made for each plan (the warm-up keys reused, and kept for the
+    way back). Summed over workers, what the layers received equals what was sent
+    once a dense phase has flushed the residuals, and not while they are compressed."""
+    proc, out, _ = launch_keys_worker(tmp_path, "recheck", timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    reports = [json.load(open(out.format(rank=r))) for r in range(2)]
+    assert reports[0]["strategies"] == reports[1]["strategies"]
+    assert reports[0]["changes"] == reports[1]["changes"] == [
+        {"conv": ["conv_topk", "none"], "fc": ["fc_2bit", "none"]},
+        {"conv": ["none", "conv_topk"], "fc": ["none", "fc_2bit"]},
+        {"conv": ["conv_topk", "none"], "fc": ["fc_2bit", "none"]}]
+    want = ["conv_topk"] * 3 + ["none"] * 3 + ["conv_topk"] * 3 + ["none"] * 3
+    assert [s["conv"] for s in reports[0]["strategies"]] == want
+    assert all(s["bias"] == "none" for s in reports[0]["strategies"])
+    assert reports[0]["steps"] == 12               # the probes do not count as steps
+    assert reports[0]["decisions"] == {"conv": "none", "fc": "none"}
+    assert reports[0]["warmup_done"] == {"conv": 1, "fc": 1}    # no second warm-up
+    for phase, flushed in enumerate([False, True, False, True]):
+        runs = [dict(np.load(out.format(rank=r) + ".phase%d.npz" % phase)) for r in range(2)]
+        for k in ("conv", "fc", "bias"):
+            np.testing.assert_array_equal(runs[0]["got/" + k], runs[1]["got/" + k])
+            total = runs[0]["sent/" + k] + runs[1]["sent/" + k]
+            # every worker receives the sum: got is the workers' total, twice counted once
+            close = np.allclose(runs[0]["got/" + k], total, rtol=1e-4, atol=1e-5)
+            assert close == (flushed or k == "bias"), (phase, k)

@@ -158,27 +158,80 @@ def test_push_then_pull_sums_dequantized_two_bit_pushes(tmp_path):
 
 @pytest.mark.slow
 def test_accuracy_study_smoke(tmp_path):
-    """The whole study pipeline, tiny: 2 workers, 1 seed, 2 epochs, the default modes
-    (hylo_pull among them), plots written."""
+    """The whole study pipeline, tiny: 2 workers + 1 server, 1 seed, budgets of 1 and 2
+    epochs under the default cosine schedule (one job per budget), four modes, plot
+    written; the byte counts say what each mode moves."""
     out = tmp_path / "report.json"
     rc, log = _run([sys.executable, "-m", "mxhylo.bench", "accuracy", "--seeds", "1",
-                    "--epochs", "2", "--workers", "2", "--servers", "1",
-                    "--plots-dir", str(tmp_path), "--json", str(out)], timeout=400)
+                    "--nets", "digits_net", "--lrs", "0.05", "--epochs", "2",
+                    "--short-epochs", "1", "--warmup-epochs", "0.5",
+                    "--modes", "dense,2bit,hylo,hylo_densepull",
+                    "--workers", "2", "--servers", "1",
+                    "--plots-dir", str(tmp_path), "--json", str(out)], timeout=600)
     assert rc == 0, log[-4000:]
     report = json.load(open(out))
-    assert set(report["modes"]) == {"dense", "2bit", "hylo", "hylo_pull"}
-    dense = report["modes"]["dense"]["bytes_pushed_per_step"]
-    assert report["modes"]["2bit"]["bytes_pushed_per_step"] < dense / 15
-    assert report["modes"]["hylo"]["bytes_pushed_per_step"] < dense / 8
-    # dense pull for all but hylo_pull, whose servers return the aggregate compressed
-    # (hylo counts what it pulled: its row_sparse pulls add int64 row ids)
-    assert report["modes"]["2bit"]["bytes_pulled_per_step"] == dense
-    assert report["modes"]["hylo"]["bytes_pulled_per_step"] == pytest.approx(dense, rel=0.01)
-    assert report["modes"]["hylo_pull"]["bytes_pushed_per_step"] < dense / 8
-    assert report["modes"]["hylo_pull"]["bytes_pulled_per_step"] < dense / 8
-    assert report["modes"]["hylo_pull"]["runs"][0]["workers_identical"]
-    assert report["checks"]["hylo_pull_workers_identical"]
-    assert report["modes"]["hylo"]["layers"]["dense0_weight"]["policy"] == "fc_2bit"
-    assert len(report["modes"]["hylo"]["curve_mean"]) == 2
+    assert sorted(report["cells"]) == ["digits_net lr=0.05 epochs=1",
+                                       "digits_net lr=0.05 epochs=2"]
+    # each budget is its own job: the short cell's curve ends at its own last step
+    short = report["curves"]["digits_net lr=0.05 epochs=1"]["dense"][0]
+    long_ = report["curves"]["digits_net lr=0.05 epochs=2"]["dense"][0]
+    assert 2 * short[-1][0] == long_[-1][0]
+    by = report["bytes_per_step_pushed_pulled"]["digits_net"]
+    dense = by["dense"][0]
+    assert by["dense"] == [dense, dense]
+    assert by["2bit"][0] < dense / 15 and by["2bit"][1] == dense
+    # hylo's first 30 steps are its dense warm-up: the whole run averages above 1/8
+    assert by["hylo"][0] < dense and by["hylo_densepull"][1] == pytest.approx(dense, rel=0.01)
+    for cell in report["cells"].values():
+        for mode in ("dense", "2bit", "hylo", "hylo_densepull"):
+            assert all(cell[mode]["workers_identical"]), (mode, cell[mode])
+    assert report["diverged_runs"] == []
     assert (tmp_path / "accuracy_curves.png").is_file()
-    assert (tmp_path / "hylo_bytes_per_layer.png").is_file()
+
+
+def _fake_run(net, lr, mode, seed, epochs, curve):
+    return {"net": net, "lr": lr, "mode": mode, "seed": seed, "epochs": epochs,
+            "curve": curve, "steps_per_epoch": 10, "rank_checksums": [1.0, 1.0],
+            "bytes_per_step": 1.0, "bytes_pulled_per_step": 1.0}
+
+
+def test_accuracy_study_cells_come_from_their_budgets_job():
+    """Under a schedule that ends with the budget, a cell is read from its own job
+    (its last step), never from the first part of the long job; at a constant rate
+    both cells come from the long job."""
+    from mxhylo.bench.accuracy import budgets, summarize
+
+    cfg = {"nets": ["n"], "lrs": [0.1], "modes": ["dense", "hylo"], "seeds": 1,
+           "epochs": 4, "short_epochs": 2, "lr_schedule": "cosine", "warmup_epochs": 1}
+    assert budgets(cfg) == [2, 4]
+    runs = [_fake_run("n", 0.1, "dense", 0, 2, [(10, 0.5), (20, 0.9)]),
+            _fake_run("n", 0.1, "hylo", 0, 2, [(10, 0.4), (20, 0.88)]),
+            _fake_run("n", 0.1, "dense", 0, 4, [(10, 0.3), (20, 0.6), (40, 0.95)]),
+            _fake_run("n", 0.1, "hylo", 0, 4, [(10, 0.3), (20, 0.5), (40, 0.96)])]
+    report = summarize(cfg, runs)
+    short, long_ = report["cells"]["n lr=0.1 epochs=2"], report["cells"]["n lr=0.1 epochs=4"]
+    assert short["dense"]["final_accuracy"]["mean"] == 0.9          # not 0.6
+    assert short["hylo"]["gap_points"] == pytest.approx(-2.0)
+    assert long_["hylo"]["gap_points"] == pytest.approx(1.0)
+    assert report["checks"]["n lr=0.1 epochs=2"]["within_0.5_points"] is False
+    assert report["checks"]["n lr=0.1 epochs=4"]["within_0.5_points"] is True
+    assert sorted(report["curves"]) == ["n lr=0.1 epochs=2", "n lr=0.1 epochs=4"]
+
+    constant = dict(cfg, lr_schedule="constant")
+    assert budgets(constant) == [4]
+    report = summarize(constant, runs[2:])
+    assert report["cells"]["n lr=0.1 epochs=2"]["dense"]["final_accuracy"]["mean"] == 0.6
+    assert report["cells"]["n lr=0.1 epochs=2"]["hylo"]["gap_points"] == pytest.approx(-10.0)
+
+
+def test_cosine_schedule_ramps_then_ends_at_zero():
+    from mxhylo.digits import lr_scheduler
+
+    sched = lr_scheduler("cosine", 0.1, 100, 10)
+    assert sched(0) == 0.0 and sched(5) == pytest.approx(0.05)
+    assert sched(10) == pytest.approx(0.1) and sched(100) == pytest.approx(0.0, abs=1e-12)
+    assert lr_scheduler("constant", 0.1, 100, 0) is None
+    with pytest.raises(ValueError, match="lr_schedule must be one of"):
+        lr_scheduler("step", 0.1, 100, 0)
+    with pytest.raises(ValueError, match="does not fit"):
+        lr_scheduler("cosine", 0.1, 10, 10)

@@ -335,10 +335,13 @@ def summarize(cfg, results):
                         "within_%.1f_points" % MAX_GAP_POINTS: h["gap_points"] >= -MAX_GAP_POINTS,
                         "steps_at_most_%.2fx" % MAX_STEPS_RATIO:
                             h["steps_ratio"] is not None and h["steps_ratio"] <= MAX_STEPS_RATIO}
-    bytes_ = {}
-    for r in results:
-        bytes_.setdefault(r["net"], {}).setdefault(r["mode"], (r["bytes_per_step"],
-                                                               r["bytes_pulled_per_step"]))
+    bytes_, longest = {}, {}
+    for r in results:       # per net and mode, from its longest job (the most steady)
+        epochs = r.get("epochs", cfg["epochs"])
+        if epochs > longest.get((r["net"], r["mode"]), -1):
+            longest[(r["net"], r["mode"])] = epochs
+            bytes_.setdefault(r["net"], {})[r["mode"]] = (r["bytes_per_step"],
+                                                          r["bytes_pulled_per_step"])
     diverged = sorted(r["id"] for r in results if len(set(r["rank_checksums"])) != 1)
     return {"config": cfg, "data": "scikit-learn digits (1347 train / 450 test)",
             "cells": cells, "checks": checks,

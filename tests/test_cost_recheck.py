@@ -1,0 +1,111 @@
+"""The cost model measured again mid-run (Hylo.recheck_costs), in one process.
+
+The store's measurements are replaced by fixed models (a slow network, then a fast
+one, then slow again), so the plans change at known steps; the distributed version,
+with real probes over the parameter server, is in tests/test_dist.py.
+"""
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import gluon
+
+import mxhylo
+from mxhylo.kvstore import hylo as hylo_store
+from mxhylo.kvstore.cost_model import CodecCost, CostModel, WireCost
+
+SHAPES = {"conv_weight": (64, 16, 3, 3), "fc_weight": (64, 256), "fc_bias": (64,)}
+
+
+def _model(per_byte):
+    codecs = {"conv_topk": CodecCost(1e-9, 1e-10), "fc_2bit": CodecCost(1e-9, 1e-9)}
+    return CostModel(WireCost(1e-4, per_byte), codecs, 1, "gather")
+
+
+@pytest.fixture
+def forced_costs(monkeypatch):
+    """Each measurement of the cost model returns the next model of ``models``."""
+    models = []
+    monkeypatch.setattr(hylo_store.Hylo, "_measure_costs_now", lambda self: models.pop(0))
+    return models
+
+
+def _train(kv, steps, seed=3, after_step=None):
+    """Momentum SGD (m 0.9, lr 0.1, no weight decay) of SHAPES' parameters, fed fixed
+    random gradients (they do not depend on the weights); returns the weights after
+    every step (list of dicts)."""
+    rng = np.random.RandomState(seed)
+    params = []
+    for name, shape in SHAPES.items():
+        p = gluon.Parameter(name, shape=shape)
+        p.initialize(mx.init.Constant(0.5), ctx=mx.cpu())
+        params.append(p)
+    trainer = gluon.Trainer(params, "sgd", {"learning_rate": 0.1, "momentum": 0.9, "wd": 0.0},
+                            kvstore=kv, update_on_kvstore=False if kv is not None else None)
+    history = []
+    for step in range(steps):
+        for p in params:
+            p.grad()[:] = rng.normal(0, 1, p.shape).astype(np.float32)
+            p.data()._fresh_grad = True
+        trainer.step(1)
+        history.append({p.name: p.data().asnumpy() for p in params})
+        if after_step:
+            after_step(step + 1)
+    return history
+
+
+def test_replanned_dense_layers_catch_up_with_dense_momentum_sgd(forced_costs):
+    """Warm-up 2 steps, step 3 compressed (momentum correction), the fast network seen
+    at step 4 (recheck every 4 steps, before the step's exchange): the layers go dense,
+    send what they owed with that exchange and keep their velocity, so at steps 4-7
+    the weights are dense momentum SGD's (at step 3 the residual holds part of the
+    step back). Step 8 sees a slow network again: compressed, without a second
+    warm-up."""
+    forced_costs += [_model(1e-6), _model(1e-15), _model(1e-6)]
+    kv = mxhylo.create(cost_model=True, warmup_steps=2, cost_recheck_steps=4)
+    seen = []
+    got = _train(kv, 10, after_step=lambda s: seen.append(
+        {n: p.strategy for n, p in kv.plans().items()}))
+    dense = _train(None, 10)
+    compressed = [n for n in SHAPES if seen[0][n] != "none"]
+    assert compressed == ["conv_weight", "fc_weight"]
+    # recheck at the 4th and 8th exchange_step, before that step's exchange
+    for step, plans in enumerate(seen, 1):
+        want = "none" if step in (4, 5, 6, 7) else None
+        for n in compressed:
+            assert (plans[n] == "none") == (want == "none"), (step, n, plans[n])
+    for step in range(10):
+        for n in SHAPES:
+            same = np.allclose(got[step][n], dense[step][n], rtol=1e-5, atol=1e-6)
+            # steps 1-2 warm-up, 4-7 dense (the 4th flushes); 3 and 8+ owe a residual
+            expect = n == "fc_bias" or step + 1 in (1, 2, 4, 5, 6, 7)
+            assert same == expect, (step + 1, n)
+    assert kv.memory.scalar("fc_weight", "warmup_done") == 2
+    assert kv.stats()["steps"] == 10
+    assert kv.stats()["cost_model"]["layers"]["fc_weight"]["strategy"] == "fc_2bit"
+
+
+def test_recheck_needs_the_cost_model_and_a_valid_period():
+    with pytest.raises(ValueError, match="recheck_costs needs the cost model"):
+        mxhylo.create().recheck_costs()
+    for bad in (-1, 2.5, "often"):
+        with pytest.raises(ValueError, match="cost_recheck_steps must be"):
+            mxhylo.create(cost_recheck_steps=bad)
+
+
+def test_pop_codec_state_returns_the_residual_and_keeps_the_store_state():
+    from mxhylo.kvstore.memory import ResidualMemory
+
+    memory = ResidualMemory()
+    like = mx.nd.zeros((3, 4))
+    assert memory.pop_codec_state("w") is None
+    memory.residual("w", like)[:] = 2.0
+    memory.set_scalar("w", "threshold", 0.5)
+    memory.set_scalar("w", "warmup_done", 3)
+    memory.set_scalar("w", "previous_rescale", 1.0)
+    memory.array("w", "velocity", like)[:] = 1.0
+    res = memory.pop_codec_state("w")
+    np.testing.assert_array_equal(res.asnumpy(), np.full((3, 4), 2.0, np.float32))
+    assert memory.get("w") is None and memory.scalar("w", "threshold") is None
+    assert memory.scalar("w", "warmup_done") == 3
+    assert memory.scalar("w", "previous_rescale") == 1.0
+    assert memory.array("w", "velocity", like).asnumpy().sum() == 12.0
