@@ -17,6 +17,11 @@ Model of one layer's exchange, in seconds, for a layer of n float32 elements:
                W/2 * p  ('allgather', the Horovod transport: see below)
         decode = payloads decoded by this worker (W with 'gather' and 'allgather',
                  else 1) x decode_c(n)
+        + n * momentum_s where momentum correction will run on the layer (a
+          momentum-SGD Trainer drives the store, kvstore.momentum): its passes over
+          the velocity and the previous aggregate are work a dense layer does not do
+
+Work that is the same either way (the optimizer on the workers) is left out.
 
 ``latency`` and ``per_byte`` come from timed exchanges of dense probe layers of two
 sizes through the real transport, with every worker exchanging at once (so per_byte
@@ -83,17 +88,20 @@ class CostModel:
 
     wire: WireCost; codecs: strategy -> CodecCost; workers: W; pull: the store's
     compress_pull mode (None, 'gather', 'layer', '2bit'), or 'allgather' over Horovod;
-    margin: fraction by which the codec must beat dense.
+    margin: fraction by which the codec must beat dense; momentum_s: seconds per
+    element of momentum correction's passes (time_momentum).
     """
     wire: WireCost
     codecs: Dict[str, CodecCost]
     workers: int
     pull: object = "gather"
     margin: float = DEFAULT_MARGIN
+    momentum_s: float = 0.0
     decisions: Dict[str, Prediction] = field(default_factory=dict)
 
-    def predict(self, plan, payload_nbytes):
-        """Prediction for LayerPlan ``plan`` whose codec sends ``payload_nbytes`` bytes."""
+    def predict(self, plan, payload_nbytes, momentum=False):
+        """Prediction for LayerPlan ``plan`` whose codec sends ``payload_nbytes`` bytes;
+        ``momentum``: whether momentum correction would run on it, compressed."""
         dense_bytes = 4 * plan.size
         dense = self.wire.latency_s + dense_bytes * self.wire.per_byte_s
         if plan.strategy == "none":
@@ -108,21 +116,23 @@ class CostModel:
         else:
             down, decodes = payload_nbytes, 1
         codec = (self.wire.latency_s + max(payload_nbytes, down) * self.wire.per_byte_s
-                 + plan.size * (cost.encode_s + decodes * cost.decode_s))
+                 + plan.size * (cost.encode_s + decodes * cost.decode_s
+                                + (self.momentum_s if momentum else 0.0)))
         chosen = plan.strategy if codec < (1.0 - self.margin) * dense else "none"
         return Prediction(dense, codec, chosen)
 
-    def decide(self, plan, payload_nbytes):
+    def decide(self, plan, payload_nbytes, momentum=False):
         """The strategy for ``plan`` (its own, or 'none'); remembered for stats()."""
-        prediction = self.predict(plan, payload_nbytes)
+        prediction = self.predict(plan, payload_nbytes, momentum)
         self.decisions[plan.name] = prediction
         return prediction.strategy
 
     # -- sharing rank 0's numbers --------------------------------------------------------
 
     def to_array(self, strategies):
-        """float64 numpy [latency, per_byte, (encode, decode) per strategy in order]."""
-        values = [self.wire.latency_s, self.wire.per_byte_s]
+        """float64 numpy [latency, per_byte, momentum_s, (encode, decode) per strategy
+        in order]."""
+        values = [self.wire.latency_s, self.wire.per_byte_s, self.momentum_s]
         for s in strategies:
             values += [self.codecs[s].encode_s, self.codecs[s].decode_s]
         return np.array(values, np.float64)
@@ -130,14 +140,38 @@ class CostModel:
     @classmethod
     def from_array(cls, array, strategies, workers, pull, margin=DEFAULT_MARGIN):
         a = [float(v) for v in np.asarray(array, np.float64).ravel()]
-        if len(a) != 2 + 2 * len(strategies):
+        if len(a) != 3 + 2 * len(strategies):
             raise ValueError("cost model array of %d values for %d strategies"
                              % (len(a), len(strategies)))
-        codecs = {s: CodecCost(a[2 + 2 * i], a[3 + 2 * i]) for i, s in enumerate(strategies)}
-        return cls(WireCost(a[0], a[1]), codecs, workers, pull, margin)
+        codecs = {s: CodecCost(a[3 + 2 * i], a[4 + 2 * i]) for i, s in enumerate(strategies)}
+        return cls(WireCost(a[0], a[1]), codecs, workers, pull, margin, momentum_s=a[2])
 
 
 # -- measuring a codec -------------------------------------------------------------------
+
+def time_momentum(elements=1 << 20, repeats=3, seed=0):
+    """Seconds per element of momentum correction's two passes on a compressed layer
+    (ops.momentum_velocity, then ops.momentum_correct on the aggregate), median of
+    ``repeats`` after one warm-up."""
+    import time
+    import mxnet as mx
+    from .. import ops
+
+    rng = np.random.RandomState(seed)
+    grad = mx.nd.array(rng.normal(0, 0.01, size=elements).astype(np.float32))
+    velocity = mx.nd.zeros(elements)
+    aggregate, previous = grad.copy(), mx.nd.zeros(elements)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        v = ops.momentum_velocity(grad, velocity, 0.9)
+        ops.momentum_correct(aggregate, previous, 0.9)
+        v.wait_to_read()
+        aggregate.wait_to_read()
+        previous.wait_to_read()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[1:])) / elements
+
 
 # synthetic layers the codecs are timed on: a 3x3 conv of 256 filters, a 1024x1024 fc
 PROBE_SHAPES = {"conv_topk": (256, 256, 3, 3), "fc_2bit": (1024, 1024)}

@@ -35,7 +35,7 @@ from mxnet.kvstore import KVStoreBase
 
 from . import momentum as momentum_correction
 from .compressors import make_compressors
-from .cost_model import CostModel, WireCost, time_codec
+from .cost_model import CostModel, WireCost, time_codec, time_momentum
 from .memory import ResidualMemory
 from .policy import DEFAULT_SIZE_THRESHOLD, LayerPolicy, compress_pull_mode, pull_codec
 from .stats import TrafficStats
@@ -352,16 +352,16 @@ class Hylo(KVStoreBase):
         gradient. The order changes no value (every layer's sum is its own).
         """
         self.attach_trainer(trainer)
-        self._trainer_steps += 1
-        if (self.cost is not None and self.cost_recheck_steps
-                and self._trainer_steps % self.cost_recheck_steps == 0):
-            self.recheck_costs()
         # (Gluon refuses sparse gradients with a KVStoreBase store: all are dense)
         keys = [i for i, p in enumerate(trainer._params) if p.grad_req != "null"]
         keys.reverse()          # in the order backward produces them
         grads = [trainer._params[i].list_grad() for i in keys]
         self._momentum = self._momentum_context(trainer)
         try:
+            self._trainer_steps += 1
+            if (self.cost is not None and self.cost_recheck_steps
+                    and self._trainer_steps % self.cost_recheck_steps == 0):
+                self.recheck_costs()     # (with this step's momentum: _plan prices it)
             self.pushpull(keys, grads)
         finally:
             self._momentum = None
@@ -417,6 +417,7 @@ class Hylo(KVStoreBase):
                 "latency_s": self.cost.wire.latency_s,
                 "per_byte_s": self.cost.wire.per_byte_s,
                 "codecs": {s: vars(c) for s, c in self.cost.codecs.items()},
+                "momentum_s": self.cost.momentum_s,
                 # each layer's choice, its predicted seconds (dense and with its codec)
                 # and what its last exchange measured (encode + pull_s, kvstore.transport)
                 "layers": {name: dict(vars(p), measured_s=out["layers"].get(name, {})
@@ -549,11 +550,12 @@ class Hylo(KVStoreBase):
             seconds.append(float(np.median(times[1:])))
             del self._layers[key]               # not a layer of the model: no stats
         strategies = ("conv_topk", "fc_2bit")
-        values = np.zeros(2 + 2 * len(strategies))
+        values = np.zeros(3 + 2 * len(strategies))
         if self.rank == 0:
             codecs = {s: time_codec(self.policy, self.compressors[s]) for s in strategies}
             values = CostModel(WireCost.fit(nbytes, seconds), codecs, self.num_workers,
-                               self._cost_pull).to_array(strategies)
+                               self._cost_pull, momentum_s=time_momentum()
+                               ).to_array(strategies)
         shared = self.transport.share_from_rank0(values)
         return CostModel.from_array(shared, strategies, self.num_workers, self._cost_pull)
 
@@ -564,7 +566,9 @@ class Hylo(KVStoreBase):
         if self.cost is None or plan.strategy not in self.cost.codecs:
             return plan
         nbytes = self.compressors[plan.strategy].payload_nbytes(plan)
-        if self.cost.decide(plan, nbytes) == plan.strategy:
+        # (a layer first met in a Trainer's step knows whether its optimizer has momentum)
+        momentum = self._momentum is not None and plan.strategy != "none"
+        if self.cost.decide(plan, nbytes, momentum) == plan.strategy:
             return plan
         return self.policy.plan_as(name, shape, "none")
 

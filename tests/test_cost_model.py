@@ -69,13 +69,33 @@ def test_prediction_formula_for_each_pull():
                                              + n * (3e-9 + decodes * 2e-9))
 
 
+def test_momentum_correction_is_priced_on_compressed_layers():
+    """Under a momentum-SGD Trainer a compressed layer also pays momentum correction's
+    passes (n * momentum_s): enough of them turn a marginal layer dense."""
+    plan = LayerPolicy().plan("fc", (1024, 1024))
+    n, p = plan.size, 4 * (plan.size // 16) + 4
+    model = CostModel(WireCost(0.001, 1e-9), {"fc_2bit": CodecCost(1e-9, 2e-10)}, 4,
+                      "gather", momentum_s=1.5e-9)
+    plain, with_mc = model.predict(plan, p), model.predict(plan, p, momentum=True)
+    assert with_mc.codec_s == pytest.approx(plain.codec_s + n * 1.5e-9)
+    assert with_mc.dense_s == plain.dense_s
+    assert plain.strategy == "fc_2bit" and with_mc.strategy == "none"
+
+
+def test_time_momentum_gives_a_positive_per_element_cost():
+    from mxhylo.kvstore.cost_model import time_momentum
+
+    assert 0 < time_momentum(elements=1 << 16, repeats=1) < 1e-6
+
+
 def test_model_round_trips_through_an_array():
     m = _model(3e-9)
+    m.momentum_s = 4e-10
     strategies = ("conv_topk", "fc_2bit")
     back = CostModel.from_array(m.to_array(strategies), strategies, 4, "gather")
-    assert back.wire == m.wire and back.codecs == m.codecs
+    assert back.wire == m.wire and back.codecs == m.codecs and back.momentum_s == 4e-10
     with pytest.raises(ValueError, match="values"):
-        CostModel.from_array(np.zeros(3), strategies, 4, "gather")
+        CostModel.from_array(np.zeros(6), strategies, 4, "gather")
 
 
 def test_time_codec_gives_positive_per_element_costs():
