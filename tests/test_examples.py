@@ -217,6 +217,16 @@ def test_accuracy_study_cells_come_from_their_budgets_job():
     assert report["checks"]["n lr=0.1 epochs=4"]["within_0.5_points"] is True
     assert sorted(report["curves"]) == ["n lr=0.1 epochs=2", "n lr=0.1 epochs=4"]
 
+    # a cell where dense misses its own target in a seed is not checked, and says why
+    runs[2] = _fake_run("n", 0.1, "dense", 0, 4, [(10, 0.1), (20, 0.1), (40, 0.1)])
+    runs.append(_fake_run("n", 0.1, "dense", 1, 4, [(10, 0.3), (20, 0.6), (40, 0.95)]))
+    report = summarize(dict(cfg, seeds=2), runs)
+    assert "n lr=0.1 epochs=4" not in report["checks"]
+    assert "seed(s) [0]" in report["checks_not_applicable"]["n lr=0.1 epochs=4"]
+    assert report["checks_total"] == 1
+
+    runs = runs[:2] + [_fake_run("n", 0.1, "dense", 0, 4, [(10, 0.3), (20, 0.6), (40, 0.95)]),
+                       _fake_run("n", 0.1, "hylo", 0, 4, [(10, 0.3), (20, 0.5), (40, 0.96)])]
     constant = dict(cfg, lr_schedule="constant")
     assert budgets(constant) == [4]
     report = summarize(constant, runs[2:])
