@@ -65,6 +65,16 @@ def _as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
+def _steps_option(name, value, default):
+    """A count of steps given as option ``name``: ``default`` for None, else a
+    non-negative int (an error naming the option otherwise)."""
+    if value is None:
+        return default
+    if not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError("%s must be a non-negative int, got %r" % (name, value))
+    return int(value)
+
+
 class Hylo(KVStoreBase):
     """Hylo layer-aware gradient compression as an MXNet kvstore.
 
@@ -147,18 +157,10 @@ class Hylo(KVStoreBase):
             raise ValueError("momentum_masking must be True or False, got %r"
                              % (momentum_masking,))
         self.momentum_masking = bool(momentum_masking)
-        if warmup_steps is None:
-            warmup_steps = DEFAULT_WARMUP_STEPS
-        if not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < 0:
-            raise ValueError("warmup_steps must be a non-negative int, got %r"
-                             % (warmup_steps,))
-        self.warmup_steps = int(warmup_steps)
-        if cost_recheck_steps is None:
-            cost_recheck_steps = DEFAULT_COST_RECHECK_STEPS
-        if not isinstance(cost_recheck_steps, (int, np.integer)) or cost_recheck_steps < 0:
-            raise ValueError("cost_recheck_steps must be a non-negative int, got %r"
-                             % (cost_recheck_steps,))
-        self.cost_recheck_steps = int(cost_recheck_steps)
+        self.warmup_steps = _steps_option("warmup_steps", warmup_steps,
+                                          DEFAULT_WARMUP_STEPS)
+        self.cost_recheck_steps = _steps_option("cost_recheck_steps", cost_recheck_steps,
+                                                DEFAULT_COST_RECHECK_STEPS)
         self._trainer_steps = 0   # exchange_step calls: when to measure the costs again
         self._momentum = None     # MomentumContext during a Trainer's step, else None
         self.memory = ResidualMemory()

@@ -35,6 +35,16 @@ import mxhylo
 mode, out = sys.argv[1], sys.argv[2]
 
 
+def start_sums(kv, shapes):
+    """Broadcast zeros of every layer of ``shapes`` (name -> shape); (sorted keys, and
+    two float64 sums per key, of what is sent and of what comes back)."""
+    keys = sorted(shapes)
+    kv.broadcast(keys, [mx.nd.zeros(shapes[k]) for k in keys],
+                 out=[mx.nd.zeros(shapes[k]) for k in keys])
+    return (keys, {k: np.zeros(shapes[k], np.float64) for k in keys},
+            {k: np.zeros(shapes[k], np.float64) for k in keys})
+
+
 def compressed_pull(pull_mode):
     """Random gradients, 4 steps; checkpoint; 2 steps (A); restore; the same 2 (B)."""
     # 'conv' (9216 elements) forced to top-k (the rule would send it 2-bit: DIST_POLICY
@@ -43,12 +53,8 @@ def compressed_pull(pull_mode):
                        split_elements=8192, warmup_steps=0, policy={"^conv$": "conv_topk"})
     shapes = {"conv": (64, 16, 3, 3), "fc": (96, 200), "fc_odd": (50, 333),
               "bias": (10,), "conv_small": (8, 4, 1, 1)}
-    keys = sorted(shapes)
-    kv.broadcast(keys, [mx.nd.zeros(shapes[k]) for k in keys],
-                 out=[mx.nd.zeros(shapes[k]) for k in keys])
+    keys, sent, got = start_sums(kv, shapes)
     rng = np.random.RandomState(100 + kv.rank)
-    sent = {k: np.zeros(shapes[k], np.float64) for k in keys}
-    got = {k: np.zeros(shapes[k], np.float64) for k in keys}
 
     def step(record):
         grads = [rng.normal(0, 0.01, shapes[k]).astype(np.float32) for k in keys]
@@ -223,12 +229,8 @@ def recheck():
                        chunk_elements=4096, split_elements=8192,
                        policy={"^conv$": "conv_topk", "^fc$": "fc_2bit", ".*": "none"})
     shapes = {"conv": (64, 16, 3, 3), "fc": (96, 200), "bias": (10,)}
-    keys = sorted(shapes)
-    kv.broadcast(keys, [mx.nd.zeros(shapes[k]) for k in keys],
-                 out=[mx.nd.zeros(shapes[k]) for k in keys])
+    keys, sent, got = start_sums(kv, shapes)
     rng = np.random.RandomState(7 + kv.rank)
-    sent = {k: np.zeros(shapes[k], np.float64) for k in keys}
-    got = {k: np.zeros(shapes[k], np.float64) for k in keys}
     strategies, changes = [], []
 
     def step():
