@@ -127,7 +127,9 @@ class ResidualMemory:
         residual, settled (float32 NDArray), or None if it had none: a layer that
         leaves its codec must send it (kvstore.hylo, re-planning)."""
         res = self.get(name)
-        self._residuals.pop(name, None)
+        if res is None:         # (every step of every dense layer asks: keep it cheap)
+            return None
+        del self._residuals[name]
         for key in [k for k in self._scalars if k[0] == name and k[1] not in STORE_SCALARS]:
             del self._scalars[key]
         return res
