@@ -60,6 +60,7 @@ import time
 
 import numpy as np
 
+from ..digits import LR_SCHEDULES
 from .comm import parse_hylo_options
 
 MODES = ("dense", "2bit", "hylo", "hylo_densepull", "hylo_layer", "hylo_pull2bit",
@@ -100,7 +101,7 @@ def add_arguments(parser):
     parser.add_argument("--epochs", type=int, default=20, help="long budget, epochs (20)")
     parser.add_argument("--short-epochs", type=int, default=6,
                         help="short budget, epochs: the first part of each run (6)")
-    parser.add_argument("--lr-schedule", default="cosine", choices=("cosine", "constant"),
+    parser.add_argument("--lr-schedule", default="cosine", choices=LR_SCHEDULES,
                         help="cosine: warm-up then down to 0 at each budget's end, one job "
                              "per budget; constant: one job for both budgets (cosine)")
     parser.add_argument("--warmup-epochs", type=float, default=1.0,
@@ -310,23 +311,27 @@ def summarize_cell(runs, dense_mode, last_step):
     return cell
 
 
+def _job_runs(cfg, results, net, lr, job_epochs):
+    """The runs of ``net`` at ``lr`` whose jobs lasted ``job_epochs`` (a run file of the
+    first protocol has no 'epochs': its jobs lasted cfg['epochs'])."""
+    return [r for r in results if r["net"] == net and r["lr"] == lr
+            and r.get("epochs", cfg["epochs"]) == job_epochs]
+
+
 def summarize(cfg, results):
     """The report: per cell 'net lr=.. epochs=..', per mode final accuracy and steps."""
     cells, checks, curves, not_applicable = {}, {}, {}, {}
     for net in cfg["nets"]:
         for lr in cfg["lrs"]:
             for job_epochs in budgets(cfg):
-                runs = [r for r in results if r["net"] == net and r["lr"] == lr
-                        and r.get("epochs", cfg["epochs"]) == job_epochs]
+                runs = _job_runs(cfg, results, net, lr, job_epochs)
                 if runs:
                     panel = ("%s lr=%g" % (net, lr) if cfg["lr_schedule"] == "constant"
                              else "%s lr=%g epochs=%d" % (net, lr, job_epochs))
                     curves[panel] = {m: [r["curve"] for r in runs if r["mode"] == m]
                                      for m in cfg["modes"]}
             for epochs in sorted({cfg["short_epochs"], cfg["epochs"]}):
-                job_epochs = job_for_budget(cfg, epochs)
-                runs = [r for r in results if r["net"] == net and r["lr"] == lr
-                        and r.get("epochs", cfg["epochs"]) == job_epochs]
+                runs = _job_runs(cfg, results, net, lr, job_for_budget(cfg, epochs))
                 if not runs:
                     continue
                 spe = runs[0]["steps_per_epoch"]
@@ -513,7 +518,7 @@ def _worker_parser():
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.02)
-    p.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"))
+    p.add_argument("--lr-schedule", default="constant", choices=LR_SCHEDULES)
     p.add_argument("--warmup-epochs", type=float, default=0.0)
     p.add_argument("--threshold", type=float, default=2.0)
     p.add_argument("--hylo-options", default="{}",
