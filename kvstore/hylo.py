@@ -15,7 +15,9 @@ One gradient's way through ``pushpull(key, [g_dev0, g_dev1, ...])``:
 
 With list keys each key goes to step 3 as soon as it is encoded (the servers start
 while later keys are still being encoded), and every aggregate is complete before
-step 4 writes, so outputs may alias inputs or each other. A non-finite gradient makes
+step 4 writes, so outputs may alias inputs or each other. The keys are taken in the
+order their gradients are written (kvstore.readiness): a Trainer's step starts its
+exchange while backward is still running, layer by layer as backward produces them. A non-finite gradient makes
 step 2 raise FloatingPointError for that key (its residual left as it was); keys
 before it in the same call have been exchanged already, and a distributed worker
 ends (see transport_ps: the other workers would wait for its pushes).
@@ -42,7 +44,7 @@ from .stats import TrafficStats
 from .transport_local import LocalTransport
 from .transport_horovod import launched_by_horovodrun    # (imports no horovod)
 from .wire import STATEFUL_PULLS
-from . import active, trainer_hook
+from . import active, readiness, trainer_hook
 
 
 DEFAULT_WARMUP_STEPS = 30
@@ -51,6 +53,8 @@ COST_PROBE_ELEMENTS = (1 << 14, 1 << 20)
 COST_PROBE_REPEATS = 3
 # Trainer steps between two measurements of the cost model (and re-plans)
 DEFAULT_COST_RECHECK_STEPS = 1000
+# seconds an exchange waits for one more gradient of backward before it fails
+GRADIENT_WAIT_BOUND_S = 900.0
 
 
 class Layer:
@@ -119,6 +123,14 @@ class Hylo(KVStoreBase):
         a network that got faster or slower mid-run is seen within that many steps. A
         layer that leaves its codec sends its residual with its next exchange; see
         recheck_costs.
+      overlap: 'auto' (default), True or False. On: the exchange takes the layers in
+        the order backward writes their gradients (kvstore.readiness): each layer is
+        encoded and pushed as soon as its gradient exists, while backward goes on, and
+        its pull is issued at once. 'auto' is on where the transport can take layers
+        in any order (parameter server, in-process) and mxhylo's operator library is
+        loaded; otherwise the layers go in the order given (a Trainer's: last first).
+        False: the exchange starts once every gradient is written (no overlap), then
+        goes in the order given. The results are bitwise the same either way.
       chunk_elements, bucket_bytes, stall_timeout: parameter-server transport options
         (largest piece of a layer in one key; size of the buckets small layers are fused
         into; seconds an exchange may take before the worker ends with an error naming
@@ -130,8 +142,8 @@ class Hylo(KVStoreBase):
     def __init__(self, size_threshold=None, conv_rate=None, policy=None, max_conv_rate=0.1,
                  min_conv_rate=0.01, threshold_scale=1.0, compress_pull="auto",
                  momentum_correction="auto", momentum_masking=False, warmup_steps=None,
-                 cost_model="auto", cost_recheck_steps=None, transport="auto",
-                 **transport_options):
+                 cost_model="auto", cost_recheck_steps=None, overlap="auto",
+                 transport="auto", **transport_options):
         if cost_model not in ("auto", True, False):
             raise ValueError("cost_model must be 'auto', True or False, got %r"
                              % (cost_model,))
@@ -169,6 +181,7 @@ class Hylo(KVStoreBase):
         self._aggregates = {}
         self._trainer = None      # weakref of the attached gluon.Trainer (trainer_hook)
         self.transport = self._make_transport(transport, transport_options)
+        self.overlap = self._overlap_option(overlap)
         # how compressed payloads come back, in the cost model's terms (kvstore.cost_model)
         self._cost_pull = "allgather" if transport == "horovod" else self.compress_pull
         if self.transport.num_workers > 1 or transport == "ps":
@@ -198,6 +211,34 @@ class Hylo(KVStoreBase):
             return HorovodTransport(compress_pull=self.compress_pull)
         raise ValueError("transport must be 'auto', 'local', 'ps' or 'horovod', got %r"
                          % (transport,))
+
+    def _overlap_option(self, overlap):
+        """The overlap option resolved for this transport: True or False."""
+        if overlap not in ("auto", True, False):
+            raise ValueError("overlap must be 'auto', True or False, got %r" % (overlap,))
+        if overlap is True and not self.transport.any_order:
+            raise ValueError("overlap=True needs a transport that takes layers in any "
+                             "order; %s does not" % type(self.transport).__name__)
+        if overlap is True and not readiness.available():
+            raise ValueError("overlap=True needs mxhylo's operator library, which is not "
+                             "loaded (mxhylo.ops.backend() is 'reference')")
+        if overlap == "auto":
+            return self.transport.any_order and readiness.available()
+        return overlap
+
+    def _encode_order(self, layers, values):
+        """Item indices in the order to encode them: as their gradients are written
+        (overlap on, several keys), else as given; with overlap off, only once every
+        gradient of the call is written."""
+        if not self.overlap:
+            for vals in values:
+                for v in vals:
+                    v.wait_to_read()
+            return range(len(layers))
+        if len(layers) == 1:
+            return range(1)
+        return readiness.ReadyOrder(values, [l.plan.name for l in layers],
+                                    GRADIENT_WAIT_BOUND_S)
 
     # -- KVStoreBase contract ------------------------------------------------------------
 
@@ -256,15 +297,20 @@ class Hylo(KVStoreBase):
         keys, values, outs = self._normalize(key, value, out, "pushpull")
         layers = [self._layer(k, vals[0].shape) for k, vals in zip(keys, values)]
         aggregates = self._aggregate_into(layers, values, outs)
-        encode_s = []                    # per layer: seconds of this step's encode
 
         warm = [self._warming_up(layer) for layer in layers]
         corrected = [self._momentum is not None and not w and self._corrects(layer)
                      for layer, w in zip(layers, warm)]
 
+        order = []                       # item indices, in the order encoded
+
         def encode_each():                                  # 1. reduce, 2. encode
-            # a generator: the transport pushes each layer as soon as it is encoded
-            for layer, vals, agg, mc, w in zip(layers, values, aggregates, corrected, warm):
+            # a generator: the transport pushes each layer as soon as it is encoded,
+            # and the layers come as backward writes their gradients (_encode_order)
+            for i in self._encode_order(layers, values):
+                layer, vals, agg, mc, w = layers[i], values[i], aggregates[i], \
+                    corrected[i], warm[i]
+                order.append(i)
                 clock = time.perf_counter()
                 grad = self._reduce(vals)
                 if mc:      # the codec sends velocity (kvstore.momentum)
@@ -283,13 +329,17 @@ class Hylo(KVStoreBase):
                     momentum_correction.keep_velocity(
                         layer.plan.name, grad, payload, layer.compressor, self.memory,
                         masking=self.momentum_masking)
-                encode_s.append(time.perf_counter() - clock)
+                encode_s[i] = time.perf_counter() - clock
                 self.traffic.time("encode", clock)
                 yield layer, payload, agg
 
-        clock = time.perf_counter()
+        encode_s = [0.0] * len(layers)   # per item: seconds of this step's encode
+        clock = start = time.perf_counter()
         self.transport.prepare(layers)      # keys are made before the first push
-        traffic = self.transport.exchange(encode_each())                 # 3. exchange
+        in_order = self.transport.exchange(encode_each())                # 3. exchange
+        traffic = [None] * len(layers)      # (the transport reports in encode order)
+        for i, t in zip(order, in_order):
+            traffic[i] = t
         clock = self.traffic.time("exchange", clock)
         for layer, agg, mc, w in zip(layers, aggregates, corrected, warm):
             if w:
@@ -303,7 +353,8 @@ class Hylo(KVStoreBase):
         clock = self.traffic.time("wait", clock)
         for layer, t, enc in zip(layers, traffic, encode_s):
             self.traffic.record(layer.plan, t.pushed, t.pulled, t.messages, t.per_server,
-                                seconds=enc + t.pull_s)
+                                seconds=enc + t.pull_s,
+                                push_s=None if t.pushed_at is None else t.pushed_at - start)
         for agg, os_ in zip(aggregates, outs):                           # 4. write
             for o in os_:
                 if o is agg:
@@ -348,10 +399,11 @@ class Hylo(KVStoreBase):
         """Exchange every gradient of ``trainer``'s step in one call (what the Trainer's
         _allreduce_grads does one key at a time), with its optimizer's momentum.
 
-        One call: small layers travel fused in buckets and every push is on the wire
-        before the first pull. The keys go last layer first: MXNet's engine produces
-        the last layers' gradients first, so each encode waits only for its own
-        gradient. The order changes no value (every layer's sum is its own).
+        One call: small layers travel fused in buckets. Called while backward still
+        runs (Gluon's step follows backward(), which returns at once): the layers
+        travel as backward writes their gradients (the overlap option), else last
+        layer first, the order in which MXNet's engine mostly writes them. The order
+        changes no value (every layer's sum is its own).
         """
         self.attach_trainer(trainer)
         # (Gluon refuses sparse gradients with a KVStoreBase store: all are dense)
@@ -404,7 +456,8 @@ class Hylo(KVStoreBase):
         messages, bytes_per_server, and per layer (by parameter name): policy, shape, k,
         rate, bytes (pushed in all), last_bytes (last step), dense_bytes, ratio, seconds
         and last_seconds (what the layer cost this worker: its encode, and its pull's
-        wait and decode). With the cost model, ``cost_model['layers']``: per layer its
+        wait and decode), last_push_s (when its push left in the last exchange, in
+        seconds from the exchange's start). With the cost model, ``cost_model['layers']``: per layer its
         choice (strategy), the predicted seconds dense_s and codec_s, and measured_s
         (its last_seconds)."""
         out = self.traffic.as_dict()
@@ -412,7 +465,7 @@ class Hylo(KVStoreBase):
                    options=dict(self.policy.options(), compress_pull=self.compress_pull,
                                 momentum_correction=self.momentum_correction,
                                 momentum_masking=self.momentum_masking,
-                                warmup_steps=self.warmup_steps,
+                                warmup_steps=self.warmup_steps, overlap=self.overlap,
                                 cost_model=self.cost is not None))
         if self.cost is not None:
             out["cost_model"] = {

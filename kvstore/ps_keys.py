@@ -21,6 +21,10 @@ from .policy import pull_codec
 from .server import ServerDecoder
 from .wire import ChunkLayout, plan_chunks, rows_from_zero
 
+# a bucket gathers small layers written within this fraction of backward (in gradient
+# elements): KeyTable.bucket_groups
+BUCKET_SPANS = 8
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -266,25 +270,36 @@ class KeyTable:
         return (layer.plan.strategy == "none" and len(self.chunks[layer.key]) == 1
                 and layer.plan.size <= self.bucket_elements)
 
-    def bucket_groups(self, entries, layer_of=lambda entry: entry):
-        """Entries of fusable layers, in order, cut into groups of at most
-        bucket_elements (summed over each group's layers)."""
-        groups, group, total = [], [], 0
-        for entry in entries:
-            size = layer_of(entry).plan.size
-            if group and total + size > self.bucket_elements:
+    def bucket_groups(self, layers):
+        """The fusable layers of ``layers`` (a call's, in its order: backward's), cut
+        into groups of at most bucket_elements (summed over each group's layers). A
+        group also ends where the layers from its first member on (every layer, fused
+        or not) exceed 1/BUCKET_SPANS of the call's elements (or bucket_elements, if
+        more): a bucket leaves when its last member's gradient is written, so it
+        gathers small layers written close together, not the first and the last."""
+        span_limit = max(self.bucket_elements,
+                         sum(layer.plan.size for layer in layers) // BUCKET_SPANS)
+        groups, group, total, span = [], [], 0, 0
+        for layer in layers:
+            size = layer.plan.size
+            span += size
+            if not self.fusable(layer):
+                continue
+            if group and (total + size > self.bucket_elements or span > span_limit):
                 groups.append(group)
-                group, total = [], 0
-            group.append(entry)
+                group, total, span = [], 0, size
+            group.append(layer)
             total += size
         if group:
             groups.append(group)
         return groups
 
     def prepare(self, layers):
-        """Create the keys an exchange of ``layers`` (in item order) needs and does not
-        have yet: the bucket of a new sequence of small layers; then send the servers
-        any layout they do not have. Called before the exchange's first push.
+        """Create the keys an exchange of ``layers`` (in the order given) needs and does
+        not have yet: the bucket of a new sequence of small layers; then send the
+        servers any layout they do not have. Called before the exchange's first push.
+        Returns the exchange's bucket groups (lists of fusable layers, in that order:
+        the same on every worker, whatever order the layers are then pushed in).
 
         kv.init is collective (rank 0 pushes the value, then every worker meets at a
         barrier), so every key is made here, between exchanges, with no push of this
@@ -295,7 +310,8 @@ class KeyTable:
             if layer.key not in self.chunks:
                 raise KeyError("key %r (%s) was pushed before being initialised: call "
                                "broadcast first" % (layer.key, layer.plan.name))
-        for group in self.bucket_groups([l for l in layers if self.fusable(l)]):
+        groups = self.bucket_groups(layers)
+        for group in groups:
             signature = bucket_signature(group)
             if len(group) == 1 or signature in self.bucket_keys:
                 continue
@@ -309,6 +325,7 @@ class KeyTable:
             self.bucket_keys[signature] = BucketKey(pskey, chunk, mx.nd.empty((size,)))
         if not self.layouts_sent:
             self.send_layouts()
+        return groups
 
 
 def bucket_signature(layers) -> Tuple:

@@ -15,17 +15,20 @@ class TrafficStats:
         self.messages = 0
         self.seconds = {}
 
-    def record(self, plan, pushed, pulled, messages=1, per_server=None, seconds=None):
+    def record(self, plan, pushed, pulled, messages=1, per_server=None, seconds=None,
+               push_s=None):
         """Account one exchange of layer ``plan``: ``pushed``/``pulled`` bytes;
         ``seconds``: what it cost this worker (its encode and its pull's wait and
-        decode), kept as ``last_seconds`` and summed in ``seconds``."""
+        decode), kept as ``last_seconds`` and summed in ``seconds``; ``push_s``: when its
+        push left, in seconds from the start of the exchange (Trainer.step's call of
+        the store, while backward may still run), kept as ``last_push_s``."""
         entry = self.layers.get(plan.name)
         if entry is None:
             entry = self.layers[plan.name] = {
                 "policy": plan.strategy, "shape": list(plan.shape), "k": plan.k,
                 "rate": plan.rate, "steps": 0, "bytes_pushed": 0, "bytes_pulled": 0,
                 "dense_bytes": 0, "last_bytes": 0, "messages": 0,
-                "seconds": 0.0, "last_seconds": None}
+                "seconds": 0.0, "last_seconds": None, "last_push_s": None}
         entry["steps"] += 1
         entry["bytes_pushed"] += pushed
         entry["bytes_pulled"] += pulled
@@ -35,6 +38,7 @@ class TrafficStats:
         if seconds is not None:
             entry["seconds"] += seconds
             entry["last_seconds"] = seconds
+        entry["last_push_s"] = push_s
         self.messages += messages
         for server, nbytes in (per_server or {}).items():
             self.per_server[server] = self.per_server.get(server, 0) + nbytes

@@ -9,7 +9,7 @@ generator that encodes on demand), then ``wait(layers, aggregates, traffic)``.
 import abc
 import time
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 
@@ -23,13 +23,20 @@ class Traffic:
     bytes both ways; messages: pushes (each has one pull); pull_s: seconds this worker
     spent blocked on the layer's aggregate and decoding it (what the exchange costs it
     past the encode: the wire, the servers, the decode; a layer whose aggregate came
-    while an earlier one was awaited costs little here).
+    while an earlier one was awaited costs little here); pushed_at: time.perf_counter()
+    when the layer's first push was handed to the network library (None: no push).
     """
     pushed: int = 0
     pulled: int = 0
     per_server: Dict[int, int] = field(default_factory=dict)
     messages: int = 0
     pull_s: float = 0.0
+    pushed_at: Optional[float] = None
+
+    def pushing(self):
+        """Mark the layer's push as leaving now (its first one counts)."""
+        if self.pushed_at is None:
+            self.pushed_at = time.perf_counter()
 
     def count(self, server, pushed=0, pulled=0, messages=0):
         self.pushed += pushed
@@ -48,10 +55,14 @@ def wait_timed(aggregate, traffic):
 class Transport(abc.ABC):
     """Moves one worker's encoded layers to the aggregation and the aggregates back.
 
-    rank, num_workers: this worker and the job's size (attributes).
+    rank, num_workers: this worker and the job's size (attributes). any_order: whether
+    ``exchange`` takes a call's layers in any order, so that they can come as backward
+    writes their gradients (every worker may take them in a different order);
+    collectives that every worker must enter in the same order cannot.
     """
     rank = 0
     num_workers = 1
+    any_order = False
 
     @abc.abstractmethod
     def init(self, layer, value):
@@ -75,7 +86,8 @@ class Transport(abc.ABC):
     def exchange(self, items):
         """Move (layer, payload, out) items: every worker's payloads of a layer,
         aggregated, end up in its float32 ``out`` (written asynchronously: see
-        ``wait``). Returns one Traffic per item, in order."""
+        ``wait``). The items' layers are those prepare() saw, in any order if
+        any_order. Returns one Traffic per item, in the items' order."""
 
     def wait(self, layers, aggregates, traffic):
         """Block until every aggregate of the exchange is written; add the seconds

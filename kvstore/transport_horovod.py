@@ -23,6 +23,7 @@ Launch: ``horovodrun -np W -H host:slots --gloo python script.py`` (the store pi
 this transport by itself there: kvstore.hylo, transport 'auto').
 """
 import os
+import time
 import zlib
 from dataclasses import dataclass
 
@@ -115,7 +116,10 @@ class HorovodTransport(Transport):
     """Moves hylo payloads with Horovod's collectives; see the module docstring.
 
     compress_pull: must be None (off): there is no server to re-compress aggregates.
+    The layers of a call travel in grouped collectives named by their order, which
+    every worker must enter alike: they come in the order given (any_order False).
     """
+    any_order = False
 
     def __init__(self, compress_pull=None):
         if compress_pull is not None:
@@ -182,6 +186,7 @@ class HorovodTransport(Transport):
                 dense.append(_Dense(i, layer.plan.name, out, 4 * layer.plan.size))
             else:
                 gathered.append(_Gathered(i, layer, out, payload_blob(payload)))
+        pushed_at = time.perf_counter()     # the collectives start now
         if dense and self.num_workers > 1:
             # one group: Horovod fuses it into one buffer, one ring allreduce
             self.hvd.grouped_allreduce_([d.out for d in dense], op=self.hvd.Sum,
@@ -189,12 +194,13 @@ class HorovodTransport(Transport):
                                                          [d.name for d in dense]))
         for n, d in enumerate(dense):
             moved = ring_allreduce_bytes(d.nbytes, self.num_workers)
-            traffic[d.index] = Traffic(pushed=moved, pulled=moved, messages=int(n == 0))
+            traffic[d.index] = Traffic(pushed=moved, pulled=moved, messages=int(n == 0),
+                                       pushed_at=pushed_at)
         if gathered:
-            self._gather(gathered, traffic)
+            self._gather(gathered, traffic, pushed_at)
         return traffic
 
-    def _gather(self, gathered, traffic):
+    def _gather(self, gathered, traffic, pushed_at):
         """Allgather the blobs of ``gathered``; decode and sum each layer's W payloads."""
         if self.num_workers > 1:
             sends = [mx.nd.array(g.blob, dtype=np.uint8) for g in gathered]
@@ -213,7 +219,8 @@ class HorovodTransport(Transport):
                 p = blob.payload
                 self._codecs[p.strategy].decode(p, g.out.reshape(p.shape), accumulate=True)
             sent, got = ring_allgather_bytes([b.nbytes for b in blobs], self.rank)
-            traffic[g.index] = Traffic(pushed=sent, pulled=got, messages=int(n == 0))
+            traffic[g.index] = Traffic(pushed=sent, pulled=got, messages=int(n == 0),
+                                       pushed_at=pushed_at)
 
     # -- no server state -----------------------------------------------------------------
 

@@ -5,6 +5,8 @@ residual, then decode into float32 and aggregate; with compress_pull, encode the
 aggregate again with the server's residual and decode that), only without a network:
 with one worker the aggregate is that worker's decoded payload.
 """
+import time
+
 from .compressors import PullEncoder
 from .policy import pull_codec
 from .transport import Traffic, Transport
@@ -18,6 +20,7 @@ class LocalTransport(Transport):
     """
     rank = 0
     num_workers = 1
+    any_order = True        # each layer's decode is its own
 
     def __init__(self, compress_pull=None, threshold_scale=1.0):
         self.compress_pull = compress_pull
@@ -41,6 +44,7 @@ class LocalTransport(Transport):
         """
         traffic = []
         for layer, payload, out in items:
+            pushed_at = time.perf_counter()
             # by the payload's codec: a compressed layer's warm-up steps travel dense
             self.server.compressors[payload.strategy].decode(payload, out)
             codec = pull_codec(layer.plan.strategy, self.compress_pull)
@@ -53,7 +57,8 @@ class LocalTransport(Transport):
                 back = self.server.encode(layer.plan.name, codec, out, k=layer.plan.k)
                 self.server.compressors[codec].decode(back, out)
                 pulled = back.nbytes
-            traffic.append(Traffic(pushed=payload.nbytes, pulled=pulled))
+            traffic.append(Traffic(pushed=payload.nbytes, pulled=pulled,
+                                   pushed_at=pushed_at))
         return traffic
 
     def server_state(self):

@@ -113,6 +113,9 @@ def _native_store_unsplit():
 class PSTransport(Transport):
     """Moves hylo payloads through a native 'dist_sync' KVStore of this worker.
 
+    Takes a call's layers in any order (any_order): each travels in keys of its own
+    or in a bucket fixed by prepare().
+
     chunk_elements: the largest piece of a layer in one parameter-server key.
     bucket_bytes: uncompressed layers pushed in one pushpull call travel fused into
       buckets of up to this many bytes (float32).
@@ -127,6 +130,7 @@ class PSTransport(Transport):
     stall_timeout: the bound of one exchange (kvstore.watchdog): None derives it from
       the step times, 0 turns the watchdog off.
     """
+    any_order = True
 
     def __init__(self, chunk_elements=DEFAULT_CHUNK_ELEMENTS,
                  bucket_bytes=DEFAULT_BUCKET_BYTES, split_elements=DEFAULT_SPLIT_MIN,
@@ -142,6 +146,7 @@ class PSTransport(Transport):
         self.num_workers = self.kv.num_workers
         chunk_elements = int(chunk_elements)
         # a bucket stays one key on one server, like a chunk
+        self._groups, self._group_of = [], {}     # this exchange's buckets (prepare)
         self.keys = KeyTable(self.kv, int(os.environ["DMLC_NUM_SERVER"]), chunk_elements,
                              int(split_elements), min(int(bucket_bytes) // 4, chunk_elements),
                              compress_pull, float(threshold_scale), bool(warmup))
@@ -160,7 +165,10 @@ class PSTransport(Transport):
         self.kv.pull(self.keys.broadcast_key(layer), out=outs)
 
     def prepare(self, layers):
-        self.keys.prepare(layers)
+        # the exchange's buckets, fixed by the order given (the same on every worker)
+        self._groups = self.keys.prepare(layers)
+        self._group_of = {layer.key: g for g, group in enumerate(self._groups)
+                          for layer in group}
 
     def replan(self, old, new):
         self.keys.replan(old, new)
@@ -171,67 +179,81 @@ class PSTransport(Transport):
     # -- one exchange --------------------------------------------------------------------
 
     def exchange(self, items):
-        """One exchange of several layers: push every payload, then pull every aggregate.
+        """One exchange of several layers: each layer's pushes, then at once its pulls.
 
-        items: (layer, payload, out), out a float32 NDArray of the layer's shape;
-        prepare() has seen their layers. Uncompressed layers of at most the bucket size
-        travel fused into buckets (one message each way per bucket, not one per
-        tensor). Returns one Traffic per item.
+        items: (layer, payload, out), out a float32 NDArray of the layer's shape; the
+        layers prepare() saw, in any order (as backward writes their gradients: the
+        store's overlap). A layer is pushed as soon as it comes, and its pull is issued
+        right behind: MXNet's store holds the pull until the key's push has completed
+        on the servers (every worker's share is in), so the aggregates of the layers
+        that came first come back first, while later layers still travel. Uncompressed
+        layers of at most the bucket size travel fused into buckets (one message each
+        way per bucket, not one per tensor), each pushed when its last member comes.
+        Reading a pulled row_sparse array waits for it, so the compressed pulls are
+        decoded only after the last push. Returns one Traffic per item.
         """
         if self.checkpoint.pending:
             self.checkpoint.restore_pending()
         self._exchanges += 1
         self.watchdog.begin(self._exchanges)
-        traffic = []
-        # Push each layer as it comes (items may be a generator that encodes on demand,
-        # so the servers start decoding while later layers are still being encoded);
-        # small uncompressed layers wait for their bucket. Pulls follow every push: a
-        # pull queued behind this worker's pushes on the same connection would wait.
-        routed, fused, alone, pending = [], [], [], []
+        routed, traffic, pending = [], [], []
+        arrived = {}         # bucket group index -> {layer key: item index} come so far
         for i, (layer, payload, out) in enumerate(items):
             chunks = self.keys.route(layer, payload)
             routed.append(Routed(layer, payload, out, chunks))
             traffic.append(Traffic())
-            if self.keys.fusable(layer):
-                fused.append(i)
+            if not self.keys.fusable(layer):
+                self._push_and_pull(routed[i], traffic[i], pending)
                 continue
-            for c in chunks:
-                self.watchdog.owe(c.pskey, layer.plan.name, c.layout.server)
-            alone.append(i)
-            for c, (value, nbytes) in zip(chunks, self._encode_pushes(chunks, payload)):
-                self.kv.push(c.pskey, value)
-                traffic[i].count(c.layout.server, pushed=nbytes, messages=1)
-        buckets = self._buckets(routed, fused)
-        for b in buckets:
-            self.kv.push(b.pskey, b.send)
-            for m in b.members:
-                self.watchdog.owe(b.pskey, routed[m.item].layer.plan.name, b.layout.server)
-        for i in alone:
-            r = routed[i]
-            flat = r.out.reshape((-1,))
-            for c in r.chunks:
-                chunk = c.layout
-                if chunk.kind == "dense":
-                    self.kv.pull(c.pskey, out=flat[chunk.lo:chunk.hi])
-                    nbytes = 4 * chunk.size
-                else:
-                    buf, row_ids = self.keys.pull_buffers[c.pskey]
-                    self.kv.row_sparse_pull(c.pskey, out=buf, row_ids=row_ids)
-                    pending.append(PendingPull(flat, c, buf, r.layer.plan.name,
-                                               traffic[i]))
-                    nbytes = chunk.pull_rows * (4 * chunk.cols + ROW_ID_BYTES)
-                traffic[i].count(chunk.server, pulled=nbytes)
-        for b in buckets:
-            self.kv.pull(b.pskey, out=b.recv)
-            for n, m in enumerate(b.members):
-                routed[m.item].out.reshape((-1,))[:] = b.recv[m.offset:m.offset + m.size]
-                traffic[m.item].count(b.layout.server, pushed=4 * m.size, pulled=4 * m.size,
-                                      messages=int(n == 0))
-        # Only now touch the pulled rows: reading a row_sparse array's data waits for
-        # its pull, and every pull should be on its way before the first wait.
+            group = self._group_of.get(layer.key)
+            if group is None:
+                raise RuntimeError("layer %s has no bucket: call prepare(layers) before "
+                                   "exchange" % layer.plan.name)
+            members = arrived.setdefault(group, {})
+            members[layer.key] = i
+            if len(members) == len(self._groups[group]):
+                self._push_and_pull_bucket(self._bucket(self._groups[group], members,
+                                                        routed), routed, traffic)
+        if sum(len(m) for m in arrived.values()) != sum(len(g) for g in self._groups):
+            raise RuntimeError("an exchange left buckets unsent: its layers differ from "
+                               "those prepare() saw")
         for p in pending:
             self._decode_pull(p)
         return traffic
+
+    def _push_and_pull(self, r, traffic, pending):
+        """Push a layer that travels in keys of its own, and issue its pulls (a
+        compressed chunk's pull is added to ``pending``, decoded later)."""
+        for c in r.chunks:
+            self.watchdog.owe(c.pskey, r.layer.plan.name, c.layout.server)
+        traffic.pushing()
+        for c, (value, nbytes) in zip(r.chunks, self._encode_pushes(r.chunks, r.payload)):
+            self.kv.push(c.pskey, value)
+            traffic.count(c.layout.server, pushed=nbytes, messages=1)
+        flat = r.out.reshape((-1,))
+        for c in r.chunks:
+            chunk = c.layout
+            if chunk.kind == "dense":
+                self.kv.pull(c.pskey, out=flat[chunk.lo:chunk.hi])
+                nbytes = 4 * chunk.size
+            else:
+                buf, row_ids = self.keys.pull_buffers[c.pskey]
+                self.kv.row_sparse_pull(c.pskey, out=buf, row_ids=row_ids)
+                pending.append(PendingPull(flat, c, buf, r.layer.plan.name, traffic))
+                nbytes = chunk.pull_rows * (4 * chunk.cols + ROW_ID_BYTES)
+            traffic.count(chunk.server, pulled=nbytes)
+
+    def _push_and_pull_bucket(self, b, routed, traffic):
+        """Push a full bucket, issue its pull and the copies to its members' outputs."""
+        for m in b.members:
+            self.watchdog.owe(b.pskey, routed[m.item].layer.plan.name, b.layout.server)
+            traffic[m.item].pushing()
+        self.kv.push(b.pskey, b.send)
+        self.kv.pull(b.pskey, out=b.recv)
+        for n, m in enumerate(b.members):
+            routed[m.item].out.reshape((-1,))[:] = b.recv[m.offset:m.offset + m.size]
+            traffic[m.item].count(b.layout.server, pushed=4 * m.size, pulled=4 * m.size,
+                                  messages=int(n == 0))
 
     def _decode_pull(self, p):
         """Write a pulled chunk's aggregate into its piece of the layer's output."""
@@ -266,33 +288,25 @@ class PSTransport(Transport):
             self.watchdog.settled_layer(layer.plan.name)
         self.watchdog.end()
 
-    def _buckets(self, routed, indices):
-        """The Buckets prepare() made for the small uncompressed items ``indices`` of
-        ``routed``, filled. A group of one travels in the layer's own key."""
-        buckets = []
-        groups = self.keys.bucket_groups(indices, layer_of=lambda i: routed[i].layer)
-        for group in groups:
-            if len(group) == 1:
-                r = routed[group[0]]
-                c = self.keys.chunks[r.layer.key][0]
-                buckets.append(Bucket(c.pskey, c.layout,
-                                      (BucketMember(group[0], 0, r.layer.plan.size),),
-                                      r.payload.arrays[0].reshape((-1,)),
-                                      mx.nd.empty((r.layer.plan.size,))))
-                continue
-            layers = [routed[i].layer for i in group]
-            key = self.keys.bucket_keys.get(bucket_signature(layers))
-            if key is None:
-                raise RuntimeError("no bucket for layers %s: call prepare(layers) before "
-                                   "exchange" % ", ".join(l.plan.name for l in layers))
-            members, offset = [], 0
-            for i, layer in zip(group, layers):
-                members.append(BucketMember(i, offset, layer.plan.size))
-                offset += layer.plan.size
-            send = mx.nd.concat(*[routed[i].payload.arrays[0].reshape((-1,)) for i in group],
-                                dim=0)
-            buckets.append(Bucket(key.pskey, key.layout, tuple(members), send, key.recv))
-        return buckets
+    def _bucket(self, group, members, routed):
+        """The Bucket of prepare()'s ``group`` (layers, in its order), filled from the
+        ``routed`` items ``members`` (layer key -> item index). A group of one travels
+        in the layer's own key."""
+        items = [members[layer.key] for layer in group]
+        if len(items) == 1:
+            r = routed[items[0]]
+            c = self.keys.chunks[r.layer.key][0]
+            return Bucket(c.pskey, c.layout, (BucketMember(items[0], 0, r.layer.plan.size),),
+                          r.payload.arrays[0].reshape((-1,)),
+                          mx.nd.empty((r.layer.plan.size,)))
+        key = self.keys.bucket_keys[bucket_signature(group)]
+        placed, offset = [], 0
+        for i, layer in zip(items, group):
+            placed.append(BucketMember(i, offset, layer.plan.size))
+            offset += layer.plan.size
+        send = mx.nd.concat(*[routed[i].payload.arrays[0].reshape((-1,)) for i in items],
+                            dim=0)
+        return Bucket(key.pskey, key.layout, tuple(placed), send, key.recv)
 
     def _encode_pushes(self, chunks, payload):
         """Per Chunk: (value to push, bytes on the wire), in kvstore.wire's layouts."""

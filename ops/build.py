@@ -332,6 +332,13 @@ def build_info():
     return info
 
 
+def notify_ready_address():
+    """The address of the library's MXNet engine callback hylo_notify_ready (an
+    EngineSyncFunc that writes a record into a pipe; mxhylo/kvstore/readiness.py)."""
+    import ctypes
+    return ctypes.cast(_c_library().hylo_notify_ready, ctypes.c_void_p).value
+
+
 def set_num_threads(n):
     """Kept for compatibility: the kernels run on the calling thread (no OpenMP,
     see BASE_FLAGS). Returns 1."""

@@ -19,13 +19,17 @@
         compressed, dense again; random gradients; writes the sums sent and received
         to OUT.npz
     python tests/dist_keys_worker.py order:HOW OUT  a small conv net trained 4 steps by a
-        gluon.Trainer, its step exchanged in one call last layer first (HOW=step, the
-        store's hook) or by Gluon's own loop, one key at a time in order (HOW=serial);
-        writes the parameters to OUT.npz
+        gluon.Trainer, its step exchanged in one call as backward writes the gradients
+        (HOW=step, the store's hook, overlap on), in one call once backward has ended
+        (HOW=nooverlap) or by Gluon's own loop, one key at a time in order
+        (HOW=serial); the first layer's backward is made late (0.8 s); writes the
+        parameters to OUT.npz and, per step, when backward ended and when each layer's
+        push left (perf_counter)
 OUT may contain {rank}; the worker writes its results there as JSON.
 """
 import json
 import sys
+import time
 
 import mxnet as mx
 import numpy as np
@@ -179,35 +183,85 @@ def fp16():
               open(out.format(rank=kv.rank), "w"))
 
 
+class _LateBackward(mx.operator.CustomOp):
+    """Identity whose backward first sleeps: the gradients before it in the net are
+    written late (MXNet runs a custom operator in a thread of its own)."""
+
+    def forward(self, is_train, req, in_data, out_data, aux):
+        self.assign(out_data[0], req[0], in_data[0])
+
+    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+        time.sleep(0.8)
+        BACKWARD_ENDS.append(time.perf_counter())
+        self.assign(in_grad[0], req[0], out_grad[0])
+
+
+BACKWARD_ENDS = []
+
+
+@mx.operator.register("late_backward")
+class _LateBackwardProp(mx.operator.CustomOpProp):
+    def __init__(self):
+        super().__init__(need_top_grad=True)
+
+    def infer_shape(self, in_shape):
+        return in_shape, [in_shape[0]], []
+
+    def create_operator(self, ctx, shapes, dtypes):
+        return _LateBackward()
+
+
 def trainer_order(how):
-    """The same training, exchanged in one call (the hook) or key by key (Gluon)."""
+    """The same training, exchanged in one call as backward goes (the hook), in one
+    call after backward (overlap off) or key by key (Gluon)."""
     from mxnet import gluon
     from mxhylo.kvstore import trainer_hook
     if how == "serial":     # this process only: Gluon's own loop, one pushpull per key
         gluon.Trainer._allreduce_grads = trainer_hook._GLUON["_allreduce_grads"]
     mx.random.seed(0)
-    net = gluon.nn.HybridSequential()
-    net.add(gluon.nn.Conv2D(32, 3, in_channels=8, activation="relu"),   # conv_topk
-            gluon.nn.Dense(64, in_units=32 * 36, activation="relu"),   # fc_2bit
-            gluon.nn.Dense(10, in_units=64))                            # small: fused
+
+    class Net(gluon.HybridBlock):
+        def __init__(self):
+            super().__init__()
+            self.conv = gluon.nn.Conv2D(32, 3, in_channels=8, activation="relu")  # topk
+            self.fc = gluon.nn.Dense(64, in_units=32 * 36, activation="relu")     # 2-bit
+            self.out = gluon.nn.Dense(10, in_units=64)                        # small: fused
+
+        def hybrid_forward(self, F, x):
+            return self.out(self.fc(F.Custom(self.conv(x), op_type="late_backward")))
+    net = Net()
     net.initialize(mx.init.Xavier())
+    net.hybridize(static_alloc=True, static_shape=True)
     # (a fixed conv_rate: the adaptive rule would send this small conv 2-bit)
-    kv = mxhylo.create("dist_sync_hylo", warmup_steps=0, size_threshold=1024, conv_rate=0.1)
+    # (small buckets: the layers after the late one, fused, are not bucketed with the
+    # conv's bias, written after it)
+    kv = mxhylo.create("dist_sync_hylo", warmup_steps=0, size_threshold=1024, conv_rate=0.1,
+                       overlap=how != "nooverlap", bucket_bytes=4096)
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
                             kvstore=kv)
+    short = {p.name: n for n, p in net._collect_params_with_prefix().items()}
     rng = np.random.RandomState(400 + kv.rank)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    steps = []
     for _ in range(4):
         x = mx.nd.array(rng.normal(size=(4, 8, 8, 8)))
         y = mx.nd.array(rng.randint(0, 10, size=4))
         with mx.autograd.record():
             loss = loss_fn(net(x), y)
+        del BACKWARD_ENDS[:]
         loss.backward()
+        called = time.perf_counter()
         trainer.step(4)
-    params = {name: p.data().asnumpy() for name, p in net.collect_params().items()}
+        mx.nd.waitall()
+        layers = kv.stats()["layers"]
+        steps.append({"backward_end": BACKWARD_ENDS[0], "push": {
+            short[n]: called + e["last_push_s"] for n, e in layers.items()
+            if e["last_push_s"] is not None}})
+    params = {short[p.name]: p.data().asnumpy() for p in net.collect_params().values()}
     policies = sorted({plan.strategy for plan in kv.plans().values()})
     np.savez(out.format(rank=kv.rank) + ".npz", **params)
-    json.dump({"policies": policies, "buckets": len(kv.transport.keys.bucket_keys)},
+    json.dump({"policies": policies, "buckets": len(kv.transport.keys.bucket_keys),
+               "overlap": kv.overlap, "steps": steps},
               open(out.format(rank=kv.rank), "w"))
 
 

@@ -228,24 +228,44 @@ def test_keys_made_during_training_50_launches(tmp_path):
     _startup_launches(tmp_path, 50)
 
 
-def test_one_call_exchange_equals_gluons_serial_loop_bitwise(tmp_path):
-    """2 workers + 2 servers: the Trainer's step exchanged in one call, last layer first,
-    small layers fused (the store's hook, kvstore/trainer_hook.py), gives bitwise the
-    parameters of Gluon's own loop, one pushpull per key in order, over 4 compressed
-    steps (conv_topk, fc_2bit and fused uncompressed layers)."""
-    runs = {}
-    for how in ("step", "serial"):
+def test_overlapped_exchange_equals_serial_ones_bitwise_and_pushes_during_backward(
+        tmp_path):
+    """2 workers + 2 servers, a conv net whose first layer's backward is late (0.8 s):
+    the Trainer's step exchanged in one call as backward writes the gradients (the
+    store's hook, overlap on), in one call after backward (overlap off), and by Gluon's
+    own loop (one pushpull per key, in order) give bitwise the same parameters over 4
+    compressed steps (conv_topk, fc_2bit and fused uncompressed layers).
+    With overlap on, the layers after the late one leave while its backward still
+    runs (the fused bucket always; the exchange begins before backward ends); with it
+    off, no push leaves before backward has ended: so this fails if the exchange waits
+    for all of backward."""
+    runs, reports = {}, {}
+    for how in ("step", "nooverlap", "serial"):
         proc, out, _ = launch_keys_worker(tmp_path, "order:" + how)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         runs[how] = [dict(np.load(out.format(rank=r) + ".npz")) for r in range(2)]
-        reports = [json.load(open(out.format(rank=r))) for r in range(2)]
-        assert reports[0]["policies"] == ["conv_topk", "fc_2bit", "none"], reports
+        reports[how] = [json.load(open(out.format(rank=r))) for r in range(2)]
+        assert reports[how][0]["policies"] == ["conv_topk", "fc_2bit", "none"], reports
         # only the one-call exchange fuses small layers into a bucket key
-        assert (reports[0]["buckets"] > 0) == (how == "step"), (how, reports)
+        assert (reports[how][0]["buckets"] > 0) == (how != "serial"), (how, reports)
     for name, value in runs["step"][0].items():
-        for r in range(2):
-            np.testing.assert_array_equal(runs["serial"][r][name], value, err_msg=name)
-            np.testing.assert_array_equal(runs["step"][r][name], value, err_msg=name)
+        for how in runs:
+            for r in range(2):
+                np.testing.assert_array_equal(runs[how][r][name], value,
+                                              err_msg="%s %s rank %d" % (name, how, r))
+    assert all(r["overlap"] for r in reports["step"])
+    for report in reports["step"]:
+        # (from the second step: in the first, which also makes the keys, the late
+        # operator's recorded end does not bound the gradients' writes: every store,
+        # overlap off included, had them all 0.8 s before it; not traced further)
+        for step in report["steps"][1:]:
+            end, push = step["backward_end"], step["push"]
+            assert push["out.bias"] < end - 0.3 and push["out.weight"] < end - 0.3, step
+            assert min(push.values()) < end - 0.3, step
+            assert push["conv.weight"] > end, step
+    for report in reports["nooverlap"]:
+        for step in report["steps"][1:]:
+            assert min(step["push"].values()) > step["backward_end"], step
 
 
 def test_cost_model_every_worker_reaches_rank0s_plan(tmp_path):

@@ -28,6 +28,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cerrno>
 #include <cstring>
 #include <initializer_list>
 #include <locale>
@@ -42,6 +43,7 @@
 #endif
 
 #include "mxnet/lib_api.h"
+#include <unistd.h>
 
 using namespace mxnet::ext;  // NOLINT
 
@@ -1231,6 +1233,28 @@ __attribute__((visibility("default"))) int hylo_set_simd(int on) {
 #else
   return 0;
 #endif
+}
+// An MXNet engine callback (EngineSyncFunc, pushed by mxhylo/kvstore/readiness.py):
+// the engine calls it once the arrays it was pushed with are written. param packs
+// a pipe's write end (bits 48-63) and an 8-byte record to write there (bits 0-47:
+// generation << 32 | index). A write of 8 bytes to a pipe is atomic; it needs no
+// Python (no GIL), so the engine thread running backward never waits for Python.
+__attribute__((visibility("default"))) void hylo_notify_ready(void* rctx, void* param) {
+  (void)rctx;
+  const uint64_t packed = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(param));
+  const int fd = static_cast<int>(packed >> 48);
+  const uint64_t record = packed & 0xFFFFFFFFFFFFull;
+  const char* bytes = reinterpret_cast<const char*>(&record);
+  size_t left = sizeof(record);
+  while (left > 0) {
+    const ssize_t n = write(fd, bytes, left);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return;  // the reader is gone: its bound reports the missing record
+    }
+    bytes += n;
+    left -= static_cast<size_t>(n);
+  }
 }
 // What the compiler targeted: "key=0|1 ..." (mxhylo.ops.build.build_info()).
 __attribute__((visibility("default"))) const char* hylo_build_info() {
