@@ -183,32 +183,34 @@ def fp16():
               open(out.format(rank=kv.rank), "w"))
 
 
-class _LateBackward(mx.operator.CustomOp):
-    """Identity whose backward first sleeps: the gradients before it in the net are
-    written late (MXNet runs a custom operator in a thread of its own)."""
-
-    def forward(self, is_train, req, in_data, out_data, aux):
-        self.assign(out_data[0], req[0], in_data[0])
-
-    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
-        time.sleep(0.8)
-        BACKWARD_ENDS.append(time.perf_counter())
-        self.assign(in_grad[0], req[0], out_grad[0])
-
-
 BACKWARD_ENDS = []
 
 
-@mx.operator.register("late_backward")
-class _LateBackwardProp(mx.operator.CustomOpProp):
-    def __init__(self):
-        super().__init__(need_top_grad=True)
+def register_late_backward():
+    """Register the custom operator 'late_backward': identity whose backward first
+    sleeps 0.8 s, so the gradients before it in the net are written late (MXNet runs
+    a custom operator in a thread of its own). Registered only by the mode that uses
+    it: a process that registers a custom operator it never runs aborts at exit
+    (MXNet 1.9.1, "terminate called without an active exception")."""
+    class LateBackward(mx.operator.CustomOp):
+        def forward(self, is_train, req, in_data, out_data, aux):
+            self.assign(out_data[0], req[0], in_data[0])
 
-    def infer_shape(self, in_shape):
-        return in_shape, [in_shape[0]], []
+        def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+            time.sleep(0.8)
+            BACKWARD_ENDS.append(time.perf_counter())
+            self.assign(in_grad[0], req[0], out_grad[0])
 
-    def create_operator(self, ctx, shapes, dtypes):
-        return _LateBackward()
+    @mx.operator.register("late_backward")
+    class LateBackwardProp(mx.operator.CustomOpProp):
+        def __init__(self):
+            super().__init__(need_top_grad=True)
+
+        def infer_shape(self, in_shape):
+            return in_shape, [in_shape[0]], []
+
+        def create_operator(self, ctx, shapes, dtypes):
+            return LateBackward()
 
 
 def trainer_order(how):
@@ -218,6 +220,7 @@ def trainer_order(how):
     from mxhylo.kvstore import trainer_hook
     if how == "serial":     # this process only: Gluon's own loop, one pushpull per key
         gluon.Trainer._allreduce_grads = trainer_hook._GLUON["_allreduce_grads"]
+    register_late_backward()
     mx.random.seed(0)
 
     class Net(gluon.HybridBlock):

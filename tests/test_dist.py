@@ -67,9 +67,11 @@ def test_hylo_workers_bitwise_identical_and_accuracy_near_dist_sync(tmp_path, di
     # (compress_pull='auto' = 'gather'): about W times the push, far below dense
     assert reports[0]["bytes_pulled"] < 2.5 * reports[0]["bytes_pushed"]
     assert reports[0]["bytes_pulled"] < reports[0]["dense_bytes"] / 4
-    # Gluon's per-key loop is exchanged as one step: the 8 small tensors share a bucket,
-    # the conv takes one key, and the 2 MB dense weight is cut in one piece per server
-    assert reports[0]["messages_per_step"] == 4
+    # Gluon's per-key loop is exchanged as one step: the 8 small tensors travel in 2
+    # buckets (those backward writes before the 2 MB dense weight and those after it:
+    # ps_keys.BUCKET_SPANS), the conv takes one key, and the dense weight is cut in one
+    # piece per server
+    assert reports[0]["messages_per_step"] == 5
     # two keys carry the bytes here (the bucket and the 2-bit layer's), one per server:
     # the balance is theirs (about 0.79 since slots carry 30 bits a value)
     per_server = sorted(reports[0]["bytes_per_server"].values())

@@ -108,6 +108,12 @@ class HyloDensePull(HyloMode):
     description = "mxhylo.create('dist_sync_hylo', compress_pull=False): Hylo as published"
 
 
+class HyloNoOverlap(HyloMode):
+    options = {"overlap": False}
+    description = ("mxhylo.create('dist_sync_hylo', overlap=False): the exchange starts "
+                   "once backward has ended")
+
+
 class HorovodStore:
     """What the benchmark asks of a store, for hvd.DistributedTrainer (which has none):
     rank, num_workers; batch_workers 1 (the trainer averages: step(batch_size) gives
@@ -145,6 +151,7 @@ MODES = {
     "dist_sync_workerupdate": DistSyncWorkerUpdate,
     "hylo_densepull": HyloDensePull,
     "hylo": HyloMode,
+    "hylo_nooverlap": HyloNoOverlap,
     "horovod_dense": HorovodDense,
     "hylo_horovod": HyloHorovod,
 }
