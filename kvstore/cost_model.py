@@ -204,3 +204,37 @@ def time_codec(policy, compressor, repeats=3, seed=0):
         dec.append(t2 - t1)
     return CodecCost(float(np.median(enc[1:])) / plan.size,
                      float(np.median(dec[1:])) / plan.size)
+
+
+class ExchangeDrift:
+    """Whether a worker's exchanges have become slower or faster than they were right
+    after the cost model's last measurement: the event that calls for measuring again.
+
+    ``add(seconds)`` takes each step's exchange (wall seconds); the baseline is the
+    median of the first ``window`` steps after ``reset()``, the current figure the
+    median of the last ``window``; ``drifted()`` when their ratio leaves [1/factor,
+    factor]. Medians: one slow step on a shared machine is not an event.
+    """
+
+    def __init__(self, factor, window=20):
+        if not factor > 1.0:
+            raise ValueError("the drift factor must be > 1, got %r" % (factor,))
+        self.factor, self.window = float(factor), int(window)
+        self.reset()
+
+    def reset(self):
+        self.baseline = []
+        self.recent = []
+
+    def add(self, seconds):
+        if len(self.baseline) < self.window:
+            self.baseline.append(seconds)
+            return
+        self.recent.append(seconds)
+        del self.recent[:-self.window]
+
+    def drifted(self):
+        if len(self.recent) < self.window:
+            return False
+        ratio = float(np.median(self.recent)) / max(float(np.median(self.baseline)), 1e-9)
+        return not (1.0 / self.factor <= ratio <= self.factor)

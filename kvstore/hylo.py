@@ -37,7 +37,7 @@ from mxnet.kvstore import KVStoreBase
 
 from . import momentum as momentum_correction
 from .compressors import make_compressors
-from .cost_model import CostModel, WireCost, time_codec, time_momentum
+from .cost_model import CostModel, ExchangeDrift, WireCost, time_codec, time_momentum
 from .memory import ResidualMemory
 from .policy import DEFAULT_SIZE_THRESHOLD, LayerPolicy, compress_pull_mode, pull_codec
 from .stats import TrafficStats
@@ -53,6 +53,11 @@ COST_PROBE_ELEMENTS = (1 << 14, 1 << 20)
 COST_PROBE_REPEATS = 3
 # Trainer steps between two measurements of the cost model (and re-plans)
 DEFAULT_COST_RECHECK_STEPS = 1000
+# with the cost model: every this many Trainer steps the workers agree (rank 0's
+# figures) whether the exchange has drifted by cost_drift since the last measurement
+DRIFT_CHECK_STEPS = 50
+DRIFT_WINDOW = 20        # steps of each median compared (ExchangeDrift)
+DEFAULT_COST_DRIFT = 2.0
 # seconds an exchange waits for one more gradient of backward before it fails
 GRADIENT_WAIT_BOUND_S = 900.0
 
@@ -123,6 +128,11 @@ class Hylo(KVStoreBase):
         a network that got faster or slower mid-run is seen within that many steps. A
         layer that leaves its codec sends its residual with its next exchange; see
         recheck_costs.
+      cost_drift: with the cost model, also measure again, at once, when conditions
+        change: every DRIFT_CHECK_STEPS (50) steps the workers take rank 0's answer to
+        "has the median exchange of the last 20 steps become this many times slower or
+        faster than right after the last measurement?" (None: DEFAULT_COST_DRIFT, 2.0;
+        0: off; kvstore.cost_model.ExchangeDrift).
       overlap: 'auto' (default), True or False. On: the exchange takes the layers in
         the order backward writes their gradients (kvstore.readiness): each layer is
         encoded and pushed as soon as its gradient exists, while backward goes on, and
@@ -142,7 +152,8 @@ class Hylo(KVStoreBase):
     def __init__(self, size_threshold=None, conv_rate=None, policy=None, max_conv_rate=0.1,
                  min_conv_rate=0.01, threshold_scale=1.0, compress_pull="auto",
                  momentum_correction="auto", momentum_masking=False, warmup_steps=None,
-                 cost_model="auto", cost_recheck_steps=None, overlap="auto",
+                 cost_model="auto", cost_recheck_steps=None, cost_drift=None,
+                 overlap="auto",
                  transport="auto", **transport_options):
         if cost_model not in ("auto", True, False):
             raise ValueError("cost_model must be 'auto', True or False, got %r"
@@ -174,6 +185,14 @@ class Hylo(KVStoreBase):
         self.cost_recheck_steps = _steps_option("cost_recheck_steps", cost_recheck_steps,
                                                 DEFAULT_COST_RECHECK_STEPS)
         self._trainer_steps = 0   # exchange_step calls: when to measure the costs again
+        if cost_drift is None:
+            cost_drift = DEFAULT_COST_DRIFT
+        if isinstance(cost_drift, bool) or not isinstance(cost_drift, (int, float)) \
+                or not (cost_drift == 0 or cost_drift > 1):
+            raise ValueError("cost_drift must be None, 0 (off) or a factor > 1, got %r"
+                             % (cost_drift,))
+        self._drift = ExchangeDrift(cost_drift, DRIFT_WINDOW) if cost_drift else None
+        self._rechecks = {"periodic": 0, "drift": 0}     # measurements since start-up
         self._momentum = None     # MomentumContext during a Trainer's step, else None
         self.memory = ResidualMemory()
         self.traffic = TrafficStats()
@@ -413,12 +432,31 @@ class Hylo(KVStoreBase):
         self._momentum = self._momentum_context(trainer)
         try:
             self._trainer_steps += 1
-            if (self.cost is not None and self.cost_recheck_steps
-                    and self._trainer_steps % self.cost_recheck_steps == 0):
+            reason = self._recheck_due()
+            if reason:
                 self.recheck_costs()     # (with this step's momentum: _plan prices it)
+                self._rechecks[reason] += 1
+            clock = time.perf_counter()
             self.pushpull(keys, grads)
+            if self._drift is not None:
+                self._drift.add(time.perf_counter() - clock)
         finally:
             self._momentum = None
+
+    def _recheck_due(self):
+        """Why this Trainer step measures the cost model again: 'periodic' (every
+        cost_recheck_steps steps), 'drift' (at a drift check where rank 0's exchanges
+        have drifted; collective: every worker takes rank 0's answer at the same
+        step), or None."""
+        if self.cost is None:
+            return None
+        step = self._trainer_steps
+        if self.cost_recheck_steps and step % self.cost_recheck_steps == 0:
+            return "periodic"
+        if self._drift is None or step % DRIFT_CHECK_STEPS:
+            return None
+        drifted = float(self._drift.drifted()) if self.rank == 0 else 0.0
+        return "drift" if self.transport.share_from_rank0([drifted])[0] > 0.5 else None
 
     def _corrects(self, layer):
         """Whether momentum correction applies to ``layer``: a compressed layer, or one
@@ -459,7 +497,8 @@ class Hylo(KVStoreBase):
         wait and decode), last_push_s (when its push left in the last exchange, in
         seconds from the exchange's start). With the cost model, ``cost_model['layers']``: per layer its
         choice (strategy), the predicted seconds dense_s and codec_s, and measured_s
-        (its last_seconds)."""
+        (its last_seconds); ``cost_model['rechecks']``: measurements since start-up,
+        'periodic' and 'drift'."""
         out = self.traffic.as_dict()
         out.update(type=self.type, rank=self.rank, num_workers=self.num_workers,
                    options=dict(self.policy.options(), compress_pull=self.compress_pull,
@@ -473,6 +512,8 @@ class Hylo(KVStoreBase):
                 "per_byte_s": self.cost.wire.per_byte_s,
                 "codecs": {s: vars(c) for s, c in self.cost.codecs.items()},
                 "momentum_s": self.cost.momentum_s,
+                # measurements since start-up, by cause (cost_recheck_steps, cost_drift)
+                "rechecks": dict(self._rechecks),
                 # each layer's choice, its predicted seconds (dense and with its codec)
                 # and what its last exchange measured (encode + pull_s, kvstore.transport)
                 "layers": {name: dict(vars(p), measured_s=out["layers"].get(name, {})
@@ -564,6 +605,8 @@ class Hylo(KVStoreBase):
             raise ValueError("recheck_costs needs the cost model (this store was created "
                              "with cost_model off, or with options that override it)")
         self.cost = self._measure_costs()
+        if self._drift is not None:
+            self._drift.reset()      # the next steps are the new baseline
         changed = {}
         for layer in list(self._layers.values()):
             plan = self._plan(layer.plan.name, layer.plan.shape)

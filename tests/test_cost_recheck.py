@@ -109,3 +109,60 @@ def test_pop_codec_state_returns_the_residual_and_keeps_the_store_state():
     assert memory.scalar("w", "warmup_done") == 3
     assert memory.scalar("w", "previous_rescale") == 1.0
     assert memory.array("w", "velocity", like).asnumpy().sum() == 12.0
+
+
+def test_exchange_drift_is_a_change_of_the_median_by_the_factor():
+    from mxhylo.kvstore.cost_model import ExchangeDrift
+
+    drift = ExchangeDrift(2.0, window=4)
+    for s in (0.10, 0.11, 0.09, 0.10):          # the baseline
+        drift.add(s)
+    assert not drift.drifted()                  # no recent steps yet
+    for s in (0.10, 0.30, 0.12, 0.11):          # one slow step: the median holds
+        drift.add(s)
+    assert not drift.drifted()
+    for s in (0.25, 0.22, 0.30):                # 3 of the last 4 steps 2x slower or more
+        drift.add(s)
+    assert drift.drifted()
+    drift.reset()
+    assert not drift.drifted()
+    for s in (0.2,) * 4 + (0.09,) * 4:          # faster by more than the factor
+        drift.add(s)
+    assert drift.drifted()
+    with pytest.raises(ValueError, match="drift factor"):
+        ExchangeDrift(1.0)
+    for bad in (-1, 0.5, 1, True, "x"):
+        with pytest.raises(ValueError, match="cost_drift must be"):
+            mxhylo.create(cost_drift=bad)
+
+
+def test_drifted_exchanges_measure_the_cost_model_again(forced_costs, monkeypatch):
+    """The exchanges take 0.01 s for 8 steps, then 0.05 s; the drift checks come every
+    5 steps (window 4): the first check that sees 4 slow steps measures again and
+    re-plans (the network is now slow: compressed), and the checks after it, with a
+    new baseline, do not. A store whose exchanges only jitter never measures again."""
+    from mxhylo.kvstore import cost_model
+
+    monkeypatch.setattr(hylo_store, "DRIFT_CHECK_STEPS", 5)
+    monkeypatch.setattr(hylo_store, "DRIFT_WINDOW", 4)
+    times = iter([0.01] * 8 + [0.05] * 100)
+    real_add = cost_model.ExchangeDrift.add
+    monkeypatch.setattr(cost_model.ExchangeDrift, "add",
+                        lambda self, seconds: real_add(self, next(times)))
+    forced_costs += [_model(1e-15), _model(1e-6)]       # fast at start-up, then slow
+    kv = mxhylo.create(cost_model=True, warmup_steps=0, cost_recheck_steps=0)
+    seen = []
+    _train(kv, 25, after_step=lambda s: seen.append(kv.plans()["fc_weight"].strategy))
+    # exchanges 1-4 are the baseline; the checks run before the exchanges of steps 5,
+    # 10, 15, ...: at step 10 the last 4 (6-9) hold one slow step, at step 15 (11-14)
+    # only slow ones, so step 15 is exchanged under the new plan
+    assert seen[:14] == ["none"] * 14, seen
+    assert seen[14:] == ["fc_2bit"] * 11, seen
+    assert kv.stats()["cost_model"]["rechecks"] == {"periodic": 0, "drift": 1}
+    assert not forced_costs                    # measured exactly twice
+
+    forced_costs += [_model(1e-15)]
+    steady = mxhylo.create(cost_model=True, warmup_steps=0, cost_recheck_steps=0)
+    times = iter([0.01, 0.02, 0.015] * 10)      # noise within the factor
+    _train(steady, 25)
+    assert steady.stats()["cost_model"]["rechecks"] == {"periodic": 0, "drift": 0}
