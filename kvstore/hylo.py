@@ -200,7 +200,7 @@ class Hylo(KVStoreBase):
         self._aggregates = {}
         self._trainer = None      # weakref of the attached gluon.Trainer (trainer_hook)
         self.transport = self._make_transport(transport, transport_options)
-        self.overlap = self._overlap_option(overlap)
+        self._order = self._overlap_option(overlap)
         # how compressed payloads come back, in the cost model's terms (kvstore.cost_model)
         self._cost_pull = "allgather" if transport == "horovod" else self.compress_pull
         if self.transport.num_workers > 1 or transport == "ps":
@@ -232,7 +232,10 @@ class Hylo(KVStoreBase):
                          % (transport,))
 
     def _overlap_option(self, overlap):
-        """The overlap option resolved for this transport: True or False."""
+        """The overlap option resolved for this transport: the order the exchange
+        takes the layers in, 'written' (as backward writes their gradients), 'given'
+        (the order of the call: a Trainer's, last layer first) or 'after' (as given,
+        once every gradient is written)."""
         if overlap not in ("auto", True, False):
             raise ValueError("overlap must be 'auto', True or False, got %r" % (overlap,))
         if overlap is True and not self.transport.any_order:
@@ -241,21 +244,25 @@ class Hylo(KVStoreBase):
         if overlap is True and not readiness.available():
             raise ValueError("overlap=True needs mxhylo's operator library, which is not "
                              "loaded (mxhylo.ops.backend() is 'reference')")
-        if overlap == "auto":
-            return self.transport.any_order and readiness.available()
-        return overlap
+        if overlap is False:
+            return "after"
+        if overlap == "auto" and not (self.transport.any_order and readiness.available()):
+            return "given"
+        return "written"
+
+    @property
+    def overlap(self):
+        """Whether the exchange takes the layers as backward writes their gradients."""
+        return self._order == "written"
 
     def _encode_order(self, layers, values):
-        """Item indices in the order to encode them: as their gradients are written
-        (overlap on, several keys), else as given; with overlap off, only once every
-        gradient of the call is written."""
-        if not self.overlap:
+        """Item indices in the order to encode them (see _overlap_option)."""
+        if self._order == "after":
             for vals in values:
                 for v in vals:
                     v.wait_to_read()
+        if self._order != "written" or len(layers) == 1:
             return range(len(layers))
-        if len(layers) == 1:
-            return range(1)
         return readiness.ReadyOrder(values, [l.plan.name for l in layers],
                                     GRADIENT_WAIT_BOUND_S)
 

@@ -190,7 +190,9 @@ def test_overlap_option_resolved_and_checked(monkeypatch):
     assert mxhylo.create("hylo", overlap=False).overlap is False
     with pytest.raises(ValueError, match="overlap must be"):
         mxhylo.create("hylo", overlap="yes")
+    assert mxhylo.create("hylo", overlap=False)._order == "after"
     monkeypatch.setattr(readiness, "available", lambda: False)
-    assert mxhylo.create("hylo").overlap is False           # 'auto': the order given
+    kv = mxhylo.create("hylo")
+    assert kv.overlap is False and kv._order == "given"     # 'auto': the order given
     with pytest.raises(ValueError, match="operator library"):
         mxhylo.create("hylo", overlap=True)
