@@ -216,28 +216,35 @@ def test_trainer_names_from_gluon_and_policy_regex():
 
 def test_trainer_step_exchanges_last_layer_first_and_order_changes_no_value():
     """The Trainer's step reaches the transport last layer first (the order backward
-    produces gradients); the same keys exchanged first layer first give bitwise the
-    same outputs, residuals included, over several compressed steps."""
-    net = gluon.nn.HybridSequential()
-    net.add(gluon.nn.Conv2D(32, 3, in_channels=16), gluon.nn.Dense(64, in_units=32 * 36),
-            gluon.nn.Dense(10, in_units=64))
-    net.initialize(ctx=CTX2)
-    kv = mxhylo.create(warmup_steps=0)
-    seen = []
-    exchange = kv.transport.exchange
+    mostly produces gradients) with overlap off, and every layer once, in the order
+    they were written, with it on; the same keys exchanged first layer first give
+    bitwise the same outputs, residuals included, over several compressed steps."""
+    for overlap in (False, True):
+        net = gluon.nn.HybridSequential()
+        net.add(gluon.nn.Conv2D(32, 3, in_channels=16),
+                gluon.nn.Dense(64, in_units=32 * 36), gluon.nn.Dense(10, in_units=64))
+        net.initialize(ctx=CTX2)
+        kv = mxhylo.create(warmup_steps=0, overlap=overlap)
+        seen = []
+        exchange = kv.transport.exchange
 
-    def recording(items):
-        items = list(items)
-        seen.append([layer.plan.name for layer, _, _ in items])
-        return exchange(items)
-    kv.transport.exchange = recording
-    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore=kv)
-    with mx.autograd.record():
-        losses = [net(mx.nd.ones((2, 16, 8, 8), ctx=c)).sum() for c in CTX2]
-    mx.autograd.backward(losses)
-    trainer.step(4)
-    names = [p.name for p in trainer._params]        # the Trainer's key order
-    assert seen == [names[::-1]] and names[0] in (net[0].weight.name, net[0].bias.name)
+        def recording(items, exchange=exchange, seen=seen):
+            items = list(items)
+            seen.append([layer.plan.name for layer, _, _ in items])
+            return exchange(items)
+        kv.transport.exchange = recording
+        trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
+                                kvstore=kv)
+        with mx.autograd.record():
+            losses = [net(mx.nd.ones((2, 16, 8, 8), ctx=c)).sum() for c in CTX2]
+        mx.autograd.backward(losses)
+        trainer.step(4)
+        names = [p.name for p in trainer._params]        # the Trainer's key order
+        assert names[0] in (net[0].weight.name, net[0].bias.name)
+        if overlap:
+            assert len(seen) == 1 and sorted(seen[0]) == sorted(names), seen
+        else:
+            assert seen == [names[::-1]]
 
     rng = np.random.RandomState(3)
     # (a conv large enough to go top-k: kvstore.policy)
