@@ -3,8 +3,8 @@
 Gluon's Trainer hands its store one key per call (the parameter's index) and tells it
 neither the parameter's name, nor the step's other keys, nor the optimizer. A hylo store
 needs all three: names for the policy's regexes, stats() and errors; the whole step
-at once (small layers fused, in the order backward writes them); the optimizer's momentum (momentum
-correction). So, as Horovod's DistributedTrainer overrides ``_allreduce_grads``, this
+at once (small layers fused, in the order backward writes them); the optimizer's
+momentum (momentum correction). So, as Horovod's DistributedTrainer overrides ``_allreduce_grads``, this
 hook replaces two methods of ``gluon.Trainer`` itself, for Trainers whose kvstore is
 a hylo store, and leaves every other store to Gluon's own code:
 
