@@ -18,6 +18,10 @@
         (real probes; its numbers forced slow, fast, slow, fast): layers re-planned dense,
         compressed, dense again; random gradients; writes the sums sent and received
         to OUT.npz
+    python tests/dist_keys_worker.py drift OUT      a Trainer's 12 steps with the cost
+        model's drift checks every 3 steps (window 2); the exchange times are forced:
+        rank 0's 10x slower from step 7, rank 1's steady; writes, per step, the drift
+        measurements so far, and the parameters to OUT.npz
     python tests/dist_keys_worker.py order:HOW OUT  a small conv net trained 4 steps by a
         gluon.Trainer, its step exchanged in one call as backward writes the gradients
         (HOW=step, the store's hook, overlap on), in one call once backward has ended
@@ -268,6 +272,39 @@ def trainer_order(how):
               open(out.format(rank=kv.rank), "w"))
 
 
+def drift():
+    """Rank 0's exchanges drift, rank 1's do not: both measure again at the same step."""
+    from mxnet import gluon
+    from mxhylo.kvstore import cost_model
+    from mxhylo.kvstore import hylo as hylo_store
+    hylo_store.DRIFT_CHECK_STEPS, hylo_store.DRIFT_WINDOW = 3, 2
+    mx.random.seed(0)
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(64, in_units=256, activation="relu"), gluon.nn.Dense(10, in_units=64))
+    net.initialize(mx.init.Xavier())
+    kv = mxhylo.create("dist_sync_hylo", cost_model=True, warmup_steps=0,
+                       cost_recheck_steps=0)
+    times = iter([0.01] * 6 + [0.1 if kv.rank == 0 else 0.01] * 100)
+    real_add = cost_model.ExchangeDrift.add
+    cost_model.ExchangeDrift.add = lambda self, seconds: real_add(self, next(times))
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
+                            kvstore=kv)
+    rng = np.random.RandomState(500 + kv.rank)
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    drifts = []
+    for _ in range(12):
+        x = mx.nd.array(rng.normal(size=(4, 256)))
+        y = mx.nd.array(rng.randint(0, 10, size=4))
+        with mx.autograd.record():
+            loss = loss_fn(net(x), y)
+        loss.backward()
+        trainer.step(4)
+        drifts.append(kv.stats()["cost_model"]["rechecks"]["drift"])
+    np.savez(out.format(rank=kv.rank) + ".npz",
+             **{n: p.data().asnumpy() for n, p in net.collect_params().items()})
+    json.dump({"drifts": drifts}, open(out.format(rank=kv.rank), "w"))
+
+
 def recheck():
     """Layers compressed, then dense, compressed and dense again, by recheck_costs;
     the cost model's probes are real, only its fitted wire numbers are forced."""
@@ -321,6 +358,10 @@ if mode == "recheck":
 
 if mode.startswith("order:"):
     trainer_order(mode[len("order:"):])
+    sys.exit(0)
+
+if mode == "drift":
+    drift()
     sys.exit(0)
 
 if mode == "fp16":

@@ -290,6 +290,20 @@ def test_cost_model_every_worker_reaches_rank0s_plan(tmp_path):
         assert reports[0]["plans"][name] == p["strategy"], name
 
 
+def test_drift_seen_by_rank0_alone_makes_every_worker_measure_again(tmp_path):
+    """2 workers + 2 servers: only rank 0's exchanges drift (forced times); at the drift
+    check after the change both workers measure the cost model again, at the same step
+    (rank 0's answer is shared), and stay bitwise identical."""
+    proc, out, _ = launch_keys_worker(tmp_path, "drift")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    reports = [json.load(open(out.format(rank=r))) for r in range(2)]
+    # checks before steps 3, 6, 9, 12; rank 0's last 2 exchanges are slow at step 9
+    assert reports[0]["drifts"] == reports[1]["drifts"] == [0] * 8 + [1] * 4, reports
+    runs = [dict(np.load(out.format(rank=r) + ".npz")) for r in range(2)]
+    for name, value in runs[0].items():
+        np.testing.assert_array_equal(runs[1][name], value, err_msg=name)
+
+
 def test_cost_model_rechecked_mid_run_replans_and_loses_nothing(tmp_path):
     """recheck_costs (real probes mid-run, the fitted wire forced slow, fast, slow,
     fast): layers go compressed -> dense -> compressed -> dense on both workers at the
