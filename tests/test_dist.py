@@ -264,10 +264,10 @@ def test_overlapped_exchange_equals_serial_ones_bitwise_and_pushes_during_backwa
             end, push = step["backward_end"], step["push"]
             assert push["out.bias"] < end - 0.3 and push["out.weight"] < end - 0.3, step
             assert min(push.values()) < end - 0.3, step
-            assert push["conv.weight"] > end, step
+            assert push["conv.weight"] > end - 0.05, step    # (test_overlap.py: 50 ms)
     for report in reports["nooverlap"]:
         for step in report["steps"][1:]:
-            assert min(step["push"].values()) > step["backward_end"], step
+            assert min(step["push"].values()) > step["backward_end"] - 0.05, step
 
 
 def test_cost_model_every_worker_reaches_rank0s_plan(tmp_path):
