@@ -17,10 +17,11 @@ With list keys each key goes to step 3 as soon as it is encoded (the servers sta
 while later keys are still being encoded), and every aggregate is complete before
 step 4 writes, so outputs may alias inputs or each other. The keys are taken in the
 order their gradients are written (kvstore.readiness): a Trainer's step starts its
-exchange while backward is still running, layer by layer as backward produces them. A non-finite gradient makes
-step 2 raise FloatingPointError for that key (its residual left as it was); keys
-before it in the same call have been exchanged already, and a distributed worker
-ends (see transport_ps: the other workers would wait for its pushes).
+exchange while backward is still running, layer by layer as backward produces them.
+A non-finite gradient makes step 2 raise FloatingPointError for that key (its
+residual left as it was); keys before it in the same call have been exchanged
+already, and a distributed worker ends (see transport_ps: the other workers would
+wait for its pushes).
 
 Gluon's Trainer passes parameter indices as keys, one key per call, and tells the store
 nothing else. kvstore.trainer_hook connects them explicitly: a Trainer whose kvstore is
@@ -191,7 +192,7 @@ class Hylo(KVStoreBase):
                 or not (cost_drift == 0 or cost_drift > 1):
             raise ValueError("cost_drift must be None, 0 (off) or a factor > 1, got %r"
                              % (cost_drift,))
-        self._drift = ExchangeDrift(cost_drift, DRIFT_WINDOW) if cost_drift else None
+        self._drift = None        # ExchangeDrift, with the cost model and cost_drift
         self._rechecks = {"periodic": 0, "drift": 0}     # measurements since start-up
         self._momentum = None     # MomentumContext during a Trainer's step, else None
         self.memory = ResidualMemory()
@@ -210,6 +211,8 @@ class Hylo(KVStoreBase):
         self.cost = None            # (the probes themselves are planned without it)
         if use_model:
             self.cost = self._measure_costs()
+            if cost_drift:
+                self._drift = ExchangeDrift(cost_drift, DRIFT_WINDOW)
 
     def _make_transport(self, transport, options):
         if transport == "local":
@@ -329,6 +332,7 @@ class Hylo(KVStoreBase):
                      for layer, w in zip(layers, warm)]
 
         order = []                       # item indices, in the order encoded
+        encode_s = [0.0] * len(layers)   # per item: seconds of this step's encode
 
         def encode_each():                                  # 1. reduce, 2. encode
             # a generator: the transport pushes each layer as soon as it is encoded,
@@ -359,7 +363,6 @@ class Hylo(KVStoreBase):
                 self.traffic.time("encode", clock)
                 yield layer, payload, agg
 
-        encode_s = [0.0] * len(layers)   # per item: seconds of this step's encode
         clock = start = time.perf_counter()
         self.transport.prepare(layers)      # keys are made before the first push
         in_order = self.transport.exchange(encode_each())                # 3. exchange

@@ -33,11 +33,6 @@ class Traffic:
     pull_s: float = 0.0
     pushed_at: Optional[float] = None
 
-    def pushing(self):
-        """Mark the layer's push as leaving now (its first one counts)."""
-        if self.pushed_at is None:
-            self.pushed_at = time.perf_counter()
-
     def count(self, server, pushed=0, pulled=0, messages=0):
         self.pushed += pushed
         self.pulled += pulled

@@ -226,7 +226,7 @@ class PSTransport(Transport):
         compressed chunk's pull is added to ``pending``, decoded later)."""
         for c in r.chunks:
             self.watchdog.owe(c.pskey, r.layer.plan.name, c.layout.server)
-        traffic.pushing()
+        traffic.pushed_at = time.perf_counter()
         for c, (value, nbytes) in zip(r.chunks, self._encode_pushes(r.chunks, r.payload)):
             self.kv.push(c.pskey, value)
             traffic.count(c.layout.server, pushed=nbytes, messages=1)
@@ -245,9 +245,10 @@ class PSTransport(Transport):
 
     def _push_and_pull_bucket(self, b, routed, traffic):
         """Push a full bucket, issue its pull and the copies to its members' outputs."""
+        now = time.perf_counter()
         for m in b.members:
             self.watchdog.owe(b.pskey, routed[m.item].layer.plan.name, b.layout.server)
-            traffic[m.item].pushing()
+            traffic[m.item].pushed_at = now
         self.kv.push(b.pskey, b.send)
         self.kv.pull(b.pskey, out=b.recv)
         for n, m in enumerate(b.members):
