@@ -36,13 +36,22 @@ an allgather of p bytes per worker brings in (W-1) p, that is W/2 * p in those u
 The model leaves out the overlap of one layer's encode with another's transfer: it
 errs towards dense.
 
+Where the transport has links of its own to choose between (the parameter server: one
+per server), each is timed alone too (LinkCosts): a dense probe key on that server,
+every worker at once, at two sizes, and one exchange of several small keys against one
+of their total size (what one more message costs). From these the transport places
+each key on the server where it is predicted to finish first (a slower link takes
+fewer bytes) and cuts a layer over the servers only where the bytes that saves on the
+busiest link outweigh the extra messages (LinkCosts.split_min_elements): the number of
+pieces of a layer is the model's, not a fixed size.
+
 Every worker must reach the same plan (the servers' layouts depend on it): rank 0
 measures, and the transport shares its numbers (CostModel.to_array / from_array).
 The store measures at start-up and again every ``cost_recheck_steps`` Trainer steps,
 and plans every layer again then (kvstore.hylo.Hylo.recheck_costs).
 """
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -67,6 +76,65 @@ class WireCost:
         return cls(max(float(intercept), 0.0), slope)
 
 
+# links whose per-byte cost is within this factor of the fastest one's count as equally
+# fast: timing noise must not move keys between servers of a symmetric cluster
+LINK_TOLERANCE = 1.25
+# a layer is never cut into pieces of fewer elements than this (nor kept whole past
+# the wire's chunk size, kvstore.wire)
+MIN_SPLIT_ELEMENTS = 1 << 12
+
+
+@dataclass(frozen=True)
+class LinkCosts:
+    """Each aggregation link alone: links[s] is a dense exchange of b bytes per worker
+    through server s alone (every worker at once): latency_s + b * per_byte_s seconds.
+    message_s: seconds one more key adds to one exchange (the per-message work of the
+    worker, the network library and the server, beyond latency and bytes)."""
+    links: Tuple[WireCost, ...]
+    message_s: float
+
+    def placement_weights(self):
+        """Per server, seconds per byte for placing keys: the fastest link's figure for
+        every link within LINK_TOLERANCE of it (equal links place keys exactly as
+        equal loads would), the link's own otherwise."""
+        fastest = min(l.per_byte_s for l in self.links)
+        return tuple(fastest if l.per_byte_s <= LINK_TOLERANCE * fastest else l.per_byte_s
+                     for l in self.links)
+
+    def split_min_elements(self):
+        """float32 elements on the wire (per worker, the larger direction) from which a
+        layer is cut into a multiple of the number of servers S: cutting it saves
+        b * per_byte * (1 - 1/S) seconds on the busiest link and costs (S - 1) *
+        message_s, so it pays from b = S * message_s / per_byte bytes (per_byte: the
+        median link's)."""
+        servers = len(self.links)
+        per_byte = float(np.median([l.per_byte_s for l in self.links]))
+        return max(MIN_SPLIT_ELEMENTS, int(servers * self.message_s / per_byte / 4))
+
+    @classmethod
+    def fit(cls, nbytes, seconds, one_key_s, many_keys_s, keys):
+        """From ``seconds[s][j]`` (server s, probe of ``nbytes[j]`` bytes) and one
+        exchange of one key (``one_key_s``) against ``keys`` keys of the same total
+        (``many_keys_s``)."""
+        links = tuple(WireCost.fit(nbytes, row) for row in seconds)
+        return cls(links, max(0.0, (many_keys_s - one_key_s) / (keys - 1)))
+
+    def to_list(self):
+        values = [float(len(self.links)), self.message_s]
+        for l in self.links:
+            values += [l.latency_s, l.per_byte_s]
+        return values
+
+    @classmethod
+    def from_list(cls, values):
+        """(LinkCosts or None, number of values read) from the front of ``values``."""
+        servers = int(round(values[0]))
+        if servers == 0 or len(values) < 2 + 2 * servers:
+            return None, 2 + 2 * servers
+        links = tuple(WireCost(values[2 + 2 * s], values[3 + 2 * s]) for s in range(servers))
+        return cls(links, values[1]), 2 + 2 * servers
+
+
 @dataclass(frozen=True)
 class CodecCost:
     """Seconds per element of a layer to encode it, and to decode one payload of it."""
@@ -89,7 +157,8 @@ class CostModel:
     wire: WireCost; codecs: strategy -> CodecCost; workers: W; pull: the store's
     compress_pull mode (None, 'gather', 'layer', '2bit'), or 'allgather' over Horovod;
     margin: fraction by which the codec must beat dense; momentum_s: seconds per
-    element of momentum correction's passes (time_momentum).
+    element of momentum correction's passes (time_momentum); links: each aggregation
+    link alone (LinkCosts), None where the transport has no links to choose between.
     """
     wire: WireCost
     codecs: Dict[str, CodecCost]
@@ -98,6 +167,7 @@ class CostModel:
     margin: float = DEFAULT_MARGIN
     momentum_s: float = 0.0
     decisions: Dict[str, Prediction] = field(default_factory=dict)
+    links: Optional[LinkCosts] = None
 
     def predict(self, plan, payload_nbytes, momentum=False):
         """Prediction for LayerPlan ``plan`` whose codec sends ``payload_nbytes`` bytes;
@@ -131,20 +201,24 @@ class CostModel:
 
     def to_array(self, strategies):
         """float64 numpy [latency, per_byte, momentum_s, (encode, decode) per strategy
-        in order]."""
+        in order, then LinkCosts.to_list (or [0, 0]: no links)]."""
         values = [self.wire.latency_s, self.wire.per_byte_s, self.momentum_s]
         for s in strategies:
             values += [self.codecs[s].encode_s, self.codecs[s].decode_s]
+        values += self.links.to_list() if self.links is not None else [0.0, 0.0]
         return np.array(values, np.float64)
 
     @classmethod
     def from_array(cls, array, strategies, workers, pull, margin=DEFAULT_MARGIN):
         a = [float(v) for v in np.asarray(array, np.float64).ravel()]
-        if len(a) != 3 + 2 * len(strategies):
+        head = 3 + 2 * len(strategies)
+        links, n = LinkCosts.from_list(a[head:]) if len(a) >= head + 2 else (None, 2)
+        if len(a) != head + n:
             raise ValueError("cost model array of %d values for %d strategies"
                              % (len(a), len(strategies)))
         codecs = {s: CodecCost(a[3 + 2 * i], a[4 + 2 * i]) for i, s in enumerate(strategies)}
-        return cls(WireCost(a[0], a[1]), codecs, workers, pull, margin, momentum_s=a[2])
+        return cls(WireCost(a[0], a[1]), codecs, workers, pull, margin, momentum_s=a[2],
+                   links=links)
 
 
 # -- measuring a codec -------------------------------------------------------------------

@@ -38,7 +38,8 @@ from mxnet.kvstore import KVStoreBase
 
 from . import momentum as momentum_correction
 from .compressors import make_compressors
-from .cost_model import CostModel, ExchangeDrift, WireCost, time_codec, time_momentum
+from .cost_model import (CodecCost, CostModel, ExchangeDrift, WireCost, time_codec,
+                         time_momentum)
 from .memory import ResidualMemory
 from .policy import DEFAULT_SIZE_THRESHOLD, LayerPolicy, compress_pull_mode, pull_codec
 from .stats import TrafficStats
@@ -52,6 +53,8 @@ DEFAULT_WARMUP_STEPS = 30
 # dense probe layers the cost model times at start-up: 64 KB and 4 MB of float32
 COST_PROBE_ELEMENTS = (1 << 14, 1 << 20)
 COST_PROBE_REPEATS = 3
+# dense probes of each aggregation link alone (kvstore.cost_model.LinkCosts): 64 KB, 1 MB
+LINK_PROBE_ELEMENTS = (1 << 14, 1 << 18)
 # Trainer steps between two measurements of the cost model (and re-plans)
 DEFAULT_COST_RECHECK_STEPS = 1000
 # with the cost model: every this many Trainer steps the workers agree (rank 0's
@@ -142,11 +145,12 @@ class Hylo(KVStoreBase):
         loaded; otherwise the layers go in the order given (a Trainer's: last first).
         False: the exchange starts once every gradient is written (no overlap), then
         goes in the order given. The results are bitwise the same either way.
-      chunk_elements, bucket_bytes, stall_timeout: parameter-server transport options
-        (largest piece of a layer in one key; size of the buckets small layers are fused
-        into; seconds an exchange may take before the worker ends with an error naming
-        the keys and servers still owed: None derives it from the step times, 0 turns it
-        off; kvstore.watchdog).
+      chunk_elements, bucket_bytes, split_elements, stall_timeout: parameter-server
+        transport options (largest piece of a layer in one key; size of the buckets
+        small layers are fused into; elements on the wire from which a layer is cut
+        over the servers, by default the cost model's figure; seconds an exchange may
+        take before the worker ends with an error naming the keys and servers still
+        owed: None derives it from the step times, 0 turns it off; kvstore.watchdog).
     """
     kv_type = "hylo"
 
@@ -522,6 +526,11 @@ class Hylo(KVStoreBase):
                 "per_byte_s": self.cost.wire.per_byte_s,
                 "codecs": {s: vars(c) for s, c in self.cost.codecs.items()},
                 "momentum_s": self.cost.momentum_s,
+                # each aggregation link alone, and what one more message costs
+                "links": None if self.cost.links is None else
+                [vars(l) for l in self.cost.links.links],
+                "message_s": None if self.cost.links is None else self.cost.links.message_s,
+                "split_elements": self.transport.split_elements,
                 # measurements since start-up, by cause (cost_recheck_steps, cost_drift)
                 "rechecks": dict(self._rechecks),
                 # each layer's choice, its predicted seconds (dense and with its codec)
@@ -633,14 +642,17 @@ class Hylo(KVStoreBase):
         return changed
 
     def _measure_costs(self):
-        """Time dense exchanges of the probe layers (every worker: the servers need all
-        pushes) and, on rank 0, the codecs; the CostModel of rank 0's numbers. The
+        """Time dense exchanges of the probe layers and of each link alone (every
+        worker: the servers need all pushes) and, on rank 0, the codecs; the CostModel
+        of rank 0's numbers, which the transport then places and cuts new keys by. The
         probes do not count in stats()."""
         traffic, self.traffic = self.traffic, TrafficStats()
         try:
-            return self._measure_costs_now()
+            cost = self._measure_costs_now()
         finally:
             self.traffic = traffic
+        self.transport.use_costs(cost)      # where the keys made from now on go
+        return cost
 
     def _measure_costs_now(self):
         nbytes, seconds = [], []
@@ -657,13 +669,16 @@ class Hylo(KVStoreBase):
             nbytes.append(4 * n)
             seconds.append(float(np.median(times[1:])))
             del self._layers[key]               # not a layer of the model: no stats
+        # each link alone (collective; None without links to choose between)
+        links = self.transport.time_links(LINK_PROBE_ELEMENTS, COST_PROBE_REPEATS)
         strategies = ("conv_topk", "fc_2bit")
-        values = np.zeros(3 + 2 * len(strategies))
-        if self.rank == 0:
+        codecs, momentum_s = {s: CodecCost(0.0, 0.0) for s in strategies}, 0.0
+        if self.rank == 0:          # (the others' figures are replaced by rank 0's)
             codecs = {s: time_codec(self.policy, self.compressors[s]) for s in strategies}
-            values = CostModel(WireCost.fit(nbytes, seconds), codecs, self.num_workers,
-                               self._cost_pull, momentum_s=time_momentum()
-                               ).to_array(strategies)
+            momentum_s = time_momentum()
+        values = CostModel(WireCost.fit(nbytes, seconds), codecs, self.num_workers,
+                           self._cost_pull, momentum_s=momentum_s, links=links
+                           ).to_array(strategies)
         shared = self.transport.share_from_rank0(values)
         return CostModel.from_array(shared, strategies, self.num_workers, self._cost_pull)
 

@@ -73,6 +73,8 @@ class KeyTable:
         self._bcast = {}          # hylo key -> ps key of the parameter
         self._next_key = 0
         self._load = [0] * num_servers
+        self._weights = None      # seconds per byte per server (use_links), None: equal
+        self._link_probes = {}    # (server, sizes) -> ps keys (link_probe_keys)
         # workers' model check: each worker writes a fingerprint of every new layer into
         # its own slot of this key; the server's sum gathers them (see check_same_model)
         self._check_key = self._key_on(0)
@@ -94,10 +96,40 @@ class KeyTable:
         return key
 
     def _place(self, nbytes):
-        """A fresh key on the least-loaded server; (key, server)."""
-        server = int(np.argmin(self._load))
+        """A fresh key on the server where it is predicted to finish first (its bytes
+        added to the server's load, times the link's seconds per byte: use_links; the
+        least-loaded server while no link was measured, or every link is as fast);
+        (key, server)."""
+        if self._weights is None:
+            server = int(np.argmin(self._load))
+        else:
+            server = int(np.argmin((np.asarray(self._load, np.float64) + nbytes)
+                                   * self._weights))
         self._load[server] += nbytes
         return self._key_on(server), server
+
+    def use_links(self, links, split_elements):
+        """Place keys made from now on by kvstore.cost_model.LinkCosts ``links`` (None:
+        by load alone) and cut layers that put ``split_elements`` or more elements on
+        the wire over the servers. Keys already made stay where they are."""
+        self._weights = None if links is None else \
+            np.asarray(links.placement_weights(), np.float64)
+        self.split_elements = int(split_elements)
+
+    def link_probe_keys(self, server, sizes):
+        """Dense keys on ``server`` of ``sizes`` float32 elements, for timing that link
+        (kvstore.cost_model.LinkCosts): made once (collective), never part of the load."""
+        sizes = tuple(int(n) for n in sizes)
+        keys = self._link_probes.get((server, sizes))
+        if keys is None:
+            keys = [self._key_on(server) for _ in sizes]
+            for key, n in zip(keys, sizes):
+                self.layouts[key] = ("link probe", ChunkLayout("dense", 0, n, n,
+                                                               server=server))
+            self.kv.init(keys, [mx.nd.zeros((n,)) for n in sizes])
+            self.send_layouts()
+            self._link_probes[(server, sizes)] = keys
+        return keys
 
     # -- the servers' layout table -------------------------------------------------------
 

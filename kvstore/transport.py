@@ -53,11 +53,14 @@ class Transport(abc.ABC):
     rank, num_workers: this worker and the job's size (attributes). any_order: whether
     ``exchange`` takes a call's layers in any order, so that they can come as backward
     writes their gradients (every worker may take them in a different order);
-    collectives that every worker must enter in the same order cannot.
+    collectives that every worker must enter in the same order cannot. split_elements:
+    from how many float32 elements on the wire a layer is cut over several links (None:
+    never).
     """
     rank = 0
     num_workers = 1
     any_order = False
+    split_elements = None   # from how many elements on the wire a layer is cut, if ever
 
     @abc.abstractmethod
     def init(self, layer, value):
@@ -89,6 +92,18 @@ class Transport(abc.ABC):
         blocked on each to its Traffic's pull_s (``traffic``: what exchange returned)."""
         for agg, t in zip(aggregates, traffic):
             wait_timed(agg, t)
+
+    def time_links(self, probe_elements, repeats):
+        """kvstore.cost_model.LinkCosts of this transport's aggregation links, each
+        timed alone with dense probes of ``probe_elements`` float32 values (every
+        worker calls it at once: collective), or None where there are no links to
+        choose between (in-process; Horovod's ring)."""
+        return None
+
+    def use_costs(self, cost):
+        """Place and cut the keys made from now on by kvstore.cost_model.CostModel
+        ``cost`` (rank 0's: the same on every worker). Transports without links of
+        their own have nothing to do."""
 
     def share_from_rank0(self, values):
         """Rank 0's 1-D float32 numpy ``values`` on every worker (collective). In one

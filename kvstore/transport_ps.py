@@ -13,12 +13,13 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import mxnet as mx
 import numpy as np
 
 from .compressors import Payload, make_compressors
+from .cost_model import LinkCosts
 from .ps_checkpoint import ServerCheckpoint
 from .ps_keys import Chunk, KeyTable, bucket_signature
 from .transport import Traffic, Transport, wait_timed
@@ -27,6 +28,7 @@ from .wire import (BIGARRAY_BOUND, DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, RO
                    ChunkLayout, empty_push, gather_payloads, pull_payload, push_slot, push_rows)
 
 DEFAULT_BUCKET_BYTES = 2 << 20     # = DEFAULT_CHUNK_ELEMENTS float32 values
+MESSAGE_PROBE_KEYS = 8             # keys of the exchange that times one more message
 
 
 @dataclass
@@ -48,12 +50,16 @@ class BucketMember:
 
 @dataclass
 class Bucket:
-    """Small uncompressed layers fused into one key for this exchange."""
+    """Small uncompressed layers fused into one key for this exchange.
+
+    recv: the fused aggregate's buffer; None for a group of one, which is pulled
+    straight into its layer's output.
+    """
     pskey: int
     layout: ChunkLayout
     members: Tuple[BucketMember, ...]
     send: mx.nd.NDArray
-    recv: mx.nd.NDArray
+    recv: Optional[mx.nd.NDArray]
 
 
 @dataclass
@@ -119,8 +125,10 @@ class PSTransport(Transport):
     chunk_elements: the largest piece of a layer in one parameter-server key.
     bucket_bytes: uncompressed layers pushed in one pushpull call travel fused into
       buckets of up to this many bytes (float32).
-    split_elements: layers of at least this many elements are cut into a multiple of
-      the number of servers, so every server carries the same share of them.
+    split_elements: layers that put at least this many elements on the wire are cut
+      into a multiple of the number of servers, so every server carries the same share
+      of them. None: the cost model's figure once it is measured (use_costs), until
+      then wire.DEFAULT_SPLIT_MIN.
     compress_pull: None, 'gather', 'layer' or '2bit' (kvstore.policy.compress_pull_mode);
     threshold_scale: of the 2-bit codec the servers encode pulls with.
     collective_timeout: seconds a worker waits for the others in save_residuals /
@@ -133,7 +141,7 @@ class PSTransport(Transport):
     any_order = True
 
     def __init__(self, chunk_elements=DEFAULT_CHUNK_ELEMENTS,
-                 bucket_bytes=DEFAULT_BUCKET_BYTES, split_elements=DEFAULT_SPLIT_MIN,
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, split_elements=None,
                  compress_pull=None, threshold_scale=1.0, collective_timeout=300.0,
                  warmup=False, stall_timeout=None):
         if os.environ.get("DMLC_ROLE") != "worker":
@@ -145,6 +153,9 @@ class PSTransport(Transport):
         self.rank = self.kv.rank
         self.num_workers = self.kv.num_workers
         chunk_elements = int(chunk_elements)
+        self._split_given = split_elements is not None
+        if split_elements is None:
+            split_elements = DEFAULT_SPLIT_MIN
         # a bucket stays one key on one server, like a chunk
         self._groups, self._group_of = [], {}     # this exchange's buckets (prepare)
         self.keys = KeyTable(self.kv, int(os.environ["DMLC_NUM_SERVER"]), chunk_elements,
@@ -175,6 +186,48 @@ class PSTransport(Transport):
 
     def share_from_rank0(self, values):
         return self.keys.share_from_rank0(values)
+
+    # -- the cost model's links (kvstore.cost_model.LinkCosts) ---------------------------
+
+    def time_links(self, probe_elements, repeats):
+        """Each server's link alone: dense probes of every size in ``probe_elements``
+        on a key of that server, every worker at once; then MESSAGE_PROBE_KEYS keys
+        against one key of the same total (the smallest probe), on server 0."""
+        sizes = [int(n) for n in probe_elements]
+        seconds = [[self._time_keys(self.keys.link_probe_keys(s, [n]), [n], repeats)
+                    for n in sizes] for s in range(self.keys.num_servers)]
+        parts = [sizes[0] // MESSAGE_PROBE_KEYS] * MESSAGE_PROBE_KEYS
+        many = self._time_keys(self.keys.link_probe_keys(0, parts), parts, repeats)
+        return LinkCosts.fit([4 * n for n in sizes], seconds, seconds[0][0], many,
+                             MESSAGE_PROBE_KEYS)
+
+    def _time_keys(self, keys, sizes, repeats):
+        """Median seconds of one exchange (push, then pull, of every key) after a
+        warm-up, over ``repeats``."""
+        values = [mx.nd.zeros((n,)) for n in sizes]
+        outs = [mx.nd.zeros((n,)) for n in sizes]
+        times = []
+        for _ in range(repeats + 1):
+            clock = time.perf_counter()
+            for key, value in zip(keys, values):
+                self.kv.push(key, value)
+            for key, out in zip(keys, outs):
+                self.kv.pull(key, out=out)
+            for out in outs:
+                out.wait_to_read()
+            times.append(time.perf_counter() - clock)
+        return float(np.median(times[1:]))
+
+    @property
+    def split_elements(self):
+        return self.keys.split_elements
+
+    def use_costs(self, cost):
+        if cost.links is None:
+            return
+        split = self.keys.split_elements if self._split_given \
+            else cost.links.split_min_elements()
+        self.keys.use_links(cost.links, split)
 
     # -- one exchange --------------------------------------------------------------------
 
@@ -250,9 +303,16 @@ class PSTransport(Transport):
             self.watchdog.owe(b.pskey, routed[m.item].layer.plan.name, b.layout.server)
             traffic[m.item].pushed_at = now
         self.kv.push(b.pskey, b.send)
-        self.kv.pull(b.pskey, out=b.recv)
+        outs = [routed[m.item].out.reshape((-1,)) for m in b.members]
+        if b.recv is None:
+            self.kv.pull(b.pskey, out=outs[0])
+        else:
+            self.kv.pull(b.pskey, out=b.recv)
+            # one engine operation writes every member's aggregate (a Python slice
+            # assignment per member cost more CPU than the bucket saves on the wire)
+            mx.nd._internal._split_v2(b.recv, indices=tuple(m.offset for m in b.members),
+                                      axis=0, squeeze_axis=False, sections=0, out=outs)
         for n, m in enumerate(b.members):
-            routed[m.item].out.reshape((-1,))[:] = b.recv[m.offset:m.offset + m.size]
             traffic[m.item].count(b.layout.server, pushed=4 * m.size, pulled=4 * m.size,
                                   messages=int(n == 0))
 
@@ -269,8 +329,8 @@ class PSTransport(Transport):
             # decoded in rank order, as the server decodes a dense pull: bitwise equal
             target = piece.reshape((chunk.rows_filters, chunk.cols)) \
                 if chunk.kind == "rows" else piece
-            target[:] = 0
-            for payload in gather_payloads(chunk, rows.asnumpy()):
+            mx.nd.zeros_like(target, out=target)
+            for payload in gather_payloads(chunk, rows):
                 self._codecs[payload.strategy].decode(payload, target, accumulate=True)
         else:
             payload = pull_payload(chunk, rows.asnumpy())
@@ -298,8 +358,7 @@ class PSTransport(Transport):
             r = routed[items[0]]
             c = self.keys.chunks[r.layer.key][0]
             return Bucket(c.pskey, c.layout, (BucketMember(items[0], 0, r.layer.plan.size),),
-                          r.payload.arrays[0].reshape((-1,)),
-                          mx.nd.empty((r.layer.plan.size,)))
+                          r.payload.arrays[0].reshape((-1,)), None)
         key = self.keys.bucket_keys[bucket_signature(group)]
         placed, offset = [], 0
         for i, layer in zip(items, group):

@@ -393,20 +393,29 @@ def gather_values(layout, received):
 
 
 def gather_payloads(layout, values):
-    """The workers' side of a 'gather' pull: pulled float32 values (pull_rows * cols,)
-    -> the Payloads whose decodes, accumulated in order, are the chunk's aggregate."""
+    """The workers' side of a 'gather' pull: pulled float32 values (pull_rows * cols,),
+    numpy or NDArray -> the Payloads whose decodes, accumulated in order, are the
+    chunk's aggregate. From an NDArray, a 'rows' chunk reads only its header (count and
+    filter indices) to the host; the filters' values stay where they were pulled (the
+    payload's values are a view of ``values``)."""
     if layout.kind == "slots":
+        if isinstance(values, mx.nd.NDArray):
+            values = values.asnumpy()
         per_slot = layout.slot_rows * layout.cols
         return [slot_payload(layout, values[w * per_slot:(w + 1) * per_slot])
                 for w in range(layout.slots)]
-    count = int(values[0])
     head = -(-(1 + layout.pull_k) // layout.cols) * layout.cols
-    indices = values[1:1 + count].astype(np.int32)
-    rows = values[head:head + count * layout.cols].reshape(count, layout.cols)
+    header = values[:head]
+    if isinstance(header, mx.nd.NDArray):
+        header = header.asnumpy()
+    count = int(header[0])
     if count == 0:
         return []
-    return [Payload("conv_topk", (layout.rows_filters, layout.cols),
-                    (mx.nd.array(indices, dtype=np.int32), mx.nd.array(rows)))]
+    indices = mx.nd.array(header[1:1 + count], dtype=np.int32)
+    rows = values[head:head + count * layout.cols]
+    rows = rows.reshape((count, layout.cols)) if isinstance(rows, mx.nd.NDArray) \
+        else mx.nd.array(rows.reshape(count, layout.cols))
+    return [Payload("conv_topk", (layout.rows_filters, layout.cols), (indices, rows))]
 
 
 # -- the servers' state of a compressed pull, for checkpoints ---------------------------

@@ -103,3 +103,84 @@ def test_time_codec_gives_positive_per_element_costs():
     for strategy in ("conv_topk", "fc_2bit"):
         cost = time_codec(policy, make_compressors()[strategy], repeats=1)
         assert 0 < cost.encode_s < 1e-6 and 0 < cost.decode_s < 1e-6, (strategy, cost)
+
+
+# -- each link alone (LinkCosts): where keys go, when a layer is cut ----------------------
+
+def _links(*per_byte, message_s=1e-3, latency_s=1e-3):
+    from mxhylo.kvstore.cost_model import LinkCosts
+    return LinkCosts(tuple(WireCost(latency_s, b) for b in per_byte), message_s)
+
+
+def test_link_fit_recovers_each_link_and_the_message_cost():
+    from mxhylo.kvstore.cost_model import LinkCosts
+    sizes = [65536, 1 << 20]
+    seconds = [[0.001 + s * 4e-9 for s in sizes], [0.002 + s * 1.6e-8 for s in sizes]]
+    links = LinkCosts.fit(sizes, seconds, one_key_s=0.003, many_keys_s=0.010, keys=8)
+    assert [l.latency_s for l in links.links] == pytest.approx([0.001, 0.002])
+    assert [l.per_byte_s for l in links.links] == pytest.approx([4e-9, 1.6e-8])
+    assert links.message_s == pytest.approx(0.001)
+    # more keys measured faster than one (noise): no negative message cost
+    assert LinkCosts.fit(sizes, seconds, 0.003, 0.002, 8).message_s == 0.0
+
+
+def test_links_within_tolerance_place_as_equal_slower_ones_take_fewer_bytes():
+    from mxhylo.kvstore.cost_model import LINK_TOLERANCE
+    assert _links(1e-9, 1.2e-9).placement_weights() == (1e-9, 1e-9)
+    slow = 2.5 * LINK_TOLERANCE * 1e-9
+    assert _links(1e-9, slow).placement_weights() == (1e-9, slow)
+
+
+def test_a_layer_is_cut_where_the_bytes_saved_outweigh_the_messages():
+    from mxhylo.kvstore.cost_model import MIN_SPLIT_ELEMENTS
+    # 2 servers, 1 ms a message, 4 ns a byte: cutting b bytes saves b * 4e-9 / 2 s and
+    # costs 1 ms, so from 2 * 1e-3 / 4e-9 = 500 KB = 125000 float32 values
+    assert _links(4e-9, 4e-9).split_min_elements() == 125000
+    # a slower network: cut sooner; cheaper messages: cut sooner; 4 servers: later
+    assert _links(4e-8, 4e-8).split_min_elements() == 12500
+    assert _links(4e-9, 4e-9, message_s=1e-4).split_min_elements() == 12500
+    assert _links(*[4e-9] * 4).split_min_elements() == 250000
+    assert _links(1e-6, 1e-6, message_s=1e-6).split_min_elements() == MIN_SPLIT_ELEMENTS
+
+
+def test_links_travel_with_rank0s_numbers_and_are_optional():
+    codecs = {"conv_topk": CodecCost(1e-9, 1e-10), "fc_2bit": CodecCost(2e-9, 1e-9)}
+    strategies = ("conv_topk", "fc_2bit")
+    for links in (None, _links(3e-9, 5e-9, message_s=7e-4)):
+        model = CostModel(WireCost(1e-3, 2e-9), codecs, 4, "gather", momentum_s=1e-10,
+                          links=links)
+        back = CostModel.from_array(model.to_array(strategies), strategies, 4, "gather")
+        assert back.links == links and back.wire == model.wire
+        assert back.codecs == codecs and back.momentum_s == model.momentum_s
+    with pytest.raises(ValueError, match="cost model array"):
+        CostModel.from_array(model.to_array(strategies)[:-1], strategies, 4, "gather")
+
+
+class _NoServers:
+    """What KeyTable asks of MXNet's store while it only places keys."""
+    rank, num_workers = 0, 1
+
+    def init(self, *args):
+        pass
+
+
+def _placed(links, sizes, servers=2):
+    from mxhylo.kvstore.ps_keys import KeyTable
+    table = KeyTable(_NoServers(), servers, 1 << 20, 1 << 18, 1 << 16, None, 1.0, False)
+    if links is not None:
+        table.use_links(links, 1234)
+        assert table.split_elements == 1234
+    placed = [table._place(n)[1] for n in sizes]
+    return placed, [sum(n for n, s in zip(sizes, placed) if s == k) for k in range(servers)]
+
+
+def test_keys_go_where_they_finish_first():
+    sizes = [4 << 20, 1 << 20, 3 << 20, 2 << 20, 1 << 20, 5 << 20, 64 << 10] * 4
+    by_load, _ = _placed(None, sizes)
+    # equal links (within tolerance): exactly the placement by load alone
+    assert _placed(_links(1e-9, 1.1e-9), sizes)[0] == by_load
+    # a link 4x slower takes about a fifth of the bytes
+    _, loads = _placed(_links(1e-9, 4e-9), sizes)
+    assert 0.12 < loads[1] / sum(loads) < 0.28, loads
+    _, loads = _placed(_links(4e-9, 1e-9), sizes)
+    assert 0.12 < loads[0] / sum(loads) < 0.28, loads

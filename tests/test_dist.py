@@ -282,6 +282,12 @@ def test_cost_model_every_worker_reaches_rank0s_plan(tmp_path):
     # what each worker measured is its own; every layer has its figure
     assert all(s is not None and s > 0 for m in measured for s in m.values()), measured
     assert costs[0]["per_byte_s"] > 0 and set(costs[0]["codecs"]) == {"conv_topk", "fc_2bit"}
+    # each server's link alone (2 servers), one more message's cost, and the cut the
+    # transport took from them: rank 0's, on both workers
+    from mxhylo.kvstore.cost_model import MIN_SPLIT_ELEMENTS, LinkCosts, WireCost
+    links = LinkCosts(tuple(WireCost(**l) for l in costs[0]["links"]), costs[0]["message_s"])
+    assert len(links.links) == 2 and all(l.per_byte_s > 0 for l in links.links), links
+    assert costs[0]["split_elements"] == links.split_min_elements() >= MIN_SPLIT_ELEMENTS
     layers = costs[0]["layers"]
     assert layers, "no layer was offered to the cost model"
     for name, p in layers.items():

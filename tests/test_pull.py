@@ -854,6 +854,15 @@ def test_gather_layout_round_trip():
     (payload,) = gather_payloads(conv, values)
     np.testing.assert_array_equal(payload.arrays[0].asnumpy(), rows)
     np.testing.assert_array_equal(payload.arrays[1].asnumpy(), data)
+    # as the workers read it: from the pulled NDArray, the filters' values a view of it
+    pulled = mx.nd.array(values)
+    (payload,) = gather_payloads(conv, pulled)
+    np.testing.assert_array_equal(payload.arrays[0].asnumpy(), rows)
+    np.testing.assert_array_equal(payload.arrays[1].asnumpy(), data)
+    pulled[:] = 0
+    assert not payload.arrays[1].asnumpy().any()
+    empty = np.zeros_like(values)                         # no worker sent a filter here
+    assert gather_payloads(conv, empty) == [] == gather_payloads(conv, mx.nd.array(empty))
     fc = plan_chunks("fc_2bit", (200, 100), 3, pull="gather")[0]
     assert fc.pull == "gather" and fc.slots == 3
     from mxhylo.kvstore.wire import pack_bytes
@@ -868,10 +877,12 @@ def test_gather_layout_round_trip():
     slots = slots.reshape(-1, fc.cols)
     received = mx.nd.sparse.row_sparse_array(
         (slots, np.arange(len(slots), dtype=np.int64)), shape=fc.key_shape)
-    payloads = gather_payloads(fc, gather_values(fc, received).asnumpy().reshape(-1))
-    assert [p.scalars[0] for p in payloads] == [0.5, 0.25, 0.125]
-    for p, data in zip(payloads, sent):
-        np.testing.assert_array_equal(p.arrays[0].asnumpy().view(np.uint8), data)
+    for values in (gather_values(fc, received).asnumpy().reshape(-1),
+                   gather_values(fc, received).reshape((-1,))):
+        payloads = gather_payloads(fc, values)
+        assert [p.scalars[0] for p in payloads] == [0.5, 0.25, 0.125]
+        for p, data in zip(payloads, sent):
+            np.testing.assert_array_equal(p.arrays[0].asnumpy().view(np.uint8), data)
 
 
 def test_default_compresses_the_pull_only_over_the_parameter_server():
