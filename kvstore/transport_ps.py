@@ -127,8 +127,8 @@ class PSTransport(Transport):
       buckets of up to this many bytes (float32).
     split_elements: layers that put at least this many elements on the wire are cut
       into a multiple of the number of servers, so every server carries the same share
-      of them. None: the cost model's figure once it is measured (use_costs), until
-      then wire.DEFAULT_SPLIT_MIN.
+      of them. None: wire.DEFAULT_SPLIT_MIN, or the cost model's figure once it is
+      measured (use_costs) where that is larger (messages dearer than bytes).
     compress_pull: None, 'gather', 'layer' or '2bit' (kvstore.policy.compress_pull_mode);
     threshold_scale: of the 2-bit codec the servers encode pulls with.
     collective_timeout: seconds a worker waits for the others in save_residuals /
@@ -225,8 +225,13 @@ class PSTransport(Transport):
     def use_costs(self, cost):
         if cost.links is None:
             return
+        # The model may only cut later than the wire's rule: the rule's size is the
+        # floor. Its figure assumes a layer alone on the links; in a whole exchange the
+        # placement already balances the servers with whole layers, and cutting at the
+        # model's ~10 000 elements at 1 Gbit/s (13 more keys per step on resnet50) made
+        # the exchange no faster here (README, "The cost model").
         split = self.keys.split_elements if self._split_given \
-            else cost.links.split_min_elements()
+            else max(DEFAULT_SPLIT_MIN, cost.links.split_min_elements())
         self.keys.use_links(cost.links, split)
 
     # -- one exchange --------------------------------------------------------------------
