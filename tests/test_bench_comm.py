@@ -59,6 +59,24 @@ def test_qdisc_commands():
     assert child[child.index("parent") + 1] == "1:1" and "tbf" in child
 
 
+def test_a_role_can_sit_on_a_slower_link():
+    rates = netns.parse_role_rates("server1=250mbit, worker0=2gbit")
+    assert rates == {"server1": 2.5e8, "worker0": 2e9} and netns.parse_role_rates("") == {}
+    for bad in ("server1", "=1gbit", "server1=fast"):
+        with pytest.raises(ValueError):
+            netns.parse_role_rates(bad)
+    roles = comm.role_names(2, 2)
+    topo = netns.Topology(roles, 1e9, role_rates={"server1": 2.5e8})
+    tbf = {(c[2], c[6]): c[c.index("rate") + 1] for c in topo.setup_commands()
+           if c[0] == "tc" and "tbf" in c}
+    assert tbf[(topo.ns("server1"), "eth0")] == tbf[(topo.hub, topo.hub_port("server1"))] \
+        == "250000000bit"
+    assert tbf[(topo.ns("server0"), "eth0")] == tbf[(topo.ns("worker1"), "eth0")] \
+        == "1000000000bit"
+    with pytest.raises(ValueError, match="server7"):
+        netns.Topology(roles, 1e9, role_rates={"server7": 1e8})
+
+
 def test_topology_names_carry_pid_and_stay_inside_namespaces():
     roles = comm.role_names(2, 1)
     assert roles == ["scheduler", "server0", "worker0", "worker1"]

@@ -66,6 +66,10 @@ def add_arguments(parser):
     parser.add_argument("-s", "--servers", type=int, default=2, help="servers (default 2)")
     parser.add_argument("--rate", default="1gbit",
                         help="tc tbf rate of every link, each direction (default 1gbit)")
+    parser.add_argument("--role-rate", default="",
+                        help="links of some roles at another rate than --rate, both "
+                             "ways: ROLE=RATE[,ROLE=RATE...], e.g. server1=250mbit (a "
+                             "server on a slower link)")
     parser.add_argument("--delay", "--latency", dest="delay", default=None,
                         help="one-way delay between nodes via netem, e.g. 1ms (default none;"
                              " needs the kernel's netem qdisc)")
@@ -576,6 +580,7 @@ def run_rate(args, rate, shapes=None, plot=None):
         raise SystemExit("mxhylo.bench comm: need at least one worker and one server")
     try:
         rate_bps = netns.parse_rate(rate)
+        role_rates = netns.parse_role_rates(args.role_rate)
         delay_s = netns.parse_time(args.delay) if args.delay else 0.0
         models = parse_list(args.models, what="model")
         modes = parse_list(args.modes, ALL_MODES, what="mode")
@@ -620,7 +625,7 @@ def run_rate(args, rate, shapes=None, plot=None):
         "machine": machine_info(),
         "config": {"workers": W, "servers": S, "rate": rate,
                    "rate_bps": None if math.isinf(rate_bps) else rate_bps,
-                   "delay": args.delay, "mtu": args.mtu,
+                   "delay": args.delay, "mtu": args.mtu, "role_rates": role_rates,
                    "tbf_burst_bytes": netns.tbf_burst_bytes(rate_bps),
                    "steps": args.steps, "warmup": args.warmup, "timed_steps": timed_steps,
                    "gradients": "synthetic N(0, %g)" % args.grad_scale,
@@ -653,7 +658,11 @@ def run_rate(args, rate, shapes=None, plot=None):
         "results": {},
     }
 
-    topo = netns.Topology(role_names(W, S), rate_bps, delay_s, mtu=args.mtu)
+    try:
+        topo = netns.Topology(role_names(W, S), rate_bps, delay_s, mtu=args.mtu,
+                              role_rates=role_rates)
+    except ValueError as err:
+        raise SystemExit("mxhylo.bench comm: %s" % err)
     tmp = tempfile.mkdtemp(prefix="mxhylo-comm-")
     cfg = {"num_workers": W, "num_servers": S, "warmup": args.warmup, "steps": timed_steps,
            "grad_scale": args.grad_scale, "seed": args.seed, "hylo_options": hylo_options}

@@ -61,6 +61,18 @@ def parse_rate(text):
     return bps
 
 
+def parse_role_rates(text):
+    """'server1=250mbit,worker0=100mbit' -> {role: bits per second} ('' -> {})."""
+    rates = {}
+    for item in filter(None, (t.strip() for t in (text or "").split(","))):
+        role, sep, rate = item.partition("=")
+        if not sep or not role.strip():
+            raise ValueError("a role's rate is ROLE=RATE (e.g. server1=250mbit), got %r"
+                             % (item,))
+        rates[role.strip()] = parse_rate(rate.strip())
+    return rates
+
+
 def parse_time(text):
     """A tc time ('2ms', '100us', '0.5s'; a bare number is seconds) in seconds."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
@@ -183,9 +195,15 @@ class Topology:
     """
 
     def __init__(self, roles, rate_bps, delay_s=0.0, subnet="10.203.0.0/24", mtu=1500,
-                 tag=None):
+                 tag=None, role_rates=None):
         self.roles = list(roles)
         self.rate_bps = float(rate_bps)
+        # {role: bits per second} of links slower or faster than rate_bps (both ways)
+        self.role_rates = {r: float(b) for r, b in (role_rates or {}).items()}
+        unknown = sorted(set(self.role_rates) - set(self.roles))
+        if unknown:
+            raise ValueError("rates given for roles not in the topology: %s (roles: %s)"
+                             % (", ".join(unknown), ", ".join(self.roles)))
         self.delay_s = float(delay_s or 0.0)
         self.mtu = int(mtu)
         self.prefix = "%s%d-%s" % (PREFIX, os.getpid(), (tag + "-") if tag else "")
@@ -228,8 +246,9 @@ class Topology:
                  "dev", DEV],
                 ["ip", "-n", ns, "link", "set", DEV, "up"],
             ]
-            cmds += qdisc_commands(ns, DEV, self.rate_bps, half)
-            cmds += qdisc_commands(self.hub, port, self.rate_bps, half)
+            rate = self.role_rates.get(r, self.rate_bps)
+            cmds += qdisc_commands(ns, DEV, rate, half)
+            cmds += qdisc_commands(self.hub, port, rate, half)
         return cmds
 
     def create(self):
