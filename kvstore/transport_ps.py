@@ -206,8 +206,14 @@ class PSTransport(Transport):
         warm-up, over ``repeats``."""
         values = [mx.nd.zeros((n,)) for n in sizes]
         outs = [mx.nd.zeros((n,)) for n in sizes]
+        server = self.keys.layouts[keys[0]][1].server
         times = []
         for _ in range(repeats + 1):
+            # bounded like an exchange: a server that never answers ends the worker
+            self.watchdog.begin(self._exchanges)
+            self.watchdog.waiting("the cost model's probe of server %d's link" % server)
+            for key in keys:
+                self.watchdog.owe(key, "link probe", server)
             clock = time.perf_counter()
             for key, value in zip(keys, values):
                 self.kv.push(key, value)
@@ -216,6 +222,7 @@ class PSTransport(Transport):
             for out in outs:
                 out.wait_to_read()
             times.append(time.perf_counter() - clock)
+            self.watchdog.end()
         return float(np.median(times[1:]))
 
     @property
