@@ -148,7 +148,8 @@ class Hylo(KVStoreBase):
       chunk_elements, bucket_bytes, split_elements, stall_timeout: parameter-server
         transport options (largest piece of a layer in one key; size of the buckets
         small layers are fused into; elements on the wire from which a layer is cut
-        over the servers, by default the cost model's figure; seconds an exchange may
+        over the servers, by default 262 144 or the cost model's larger figure
+        (kvstore.cost_model.LinkCosts); seconds an exchange may
         take before the worker ends with an error naming the keys and servers still
         owed: None derives it from the step times, 0 turns it off; kvstore.watchdog).
     """
