@@ -221,7 +221,78 @@ class CostModel:
                    links=links)
 
 
+@dataclass(frozen=True)
+class RouteCosts:
+    """One Trainer step's exchange by each route, in seconds, measured with every
+    worker at once on the Trainer's own parameter shapes (rank 0's figures):
+
+    dense_s: dense pushes and pulls of every parameter, cut and placed over the servers
+      (dist_sync's way: kvstore.server_route); update_s: the Trainer's optimizer over
+      every parameter on one worker; servers: the number of servers, which share the
+      update on the servers' route; hylo_s: hylo's exchange of the parameters (each
+      layer as the model plans it, compressed where that pays).
+
+    The servers' route costs dense_s + update_s / servers, the workers' (hylo's)
+    hylo_s + update_s: every worker runs the whole update.
+    """
+    dense_s: float
+    hylo_s: float
+    update_s: float
+    servers: int
+
+    @property
+    def servers_s(self):
+        return self.dense_s + self.update_s / max(self.servers, 1)
+
+    @property
+    def workers_s(self):
+        return self.hylo_s + self.update_s
+
+    def route(self, margin=DEFAULT_MARGIN):
+        """'workers' (hylo's exchange, the update on every worker) where it is at least
+        ``margin`` faster than the servers' route, else 'servers': on a tie a dense
+        setup is the safer bet."""
+        return "workers" if self.workers_s < (1.0 - margin) * self.servers_s else "servers"
+
+
+@dataclass(frozen=True)
+class RouteChoice:
+    """Where a Trainer's optimizer runs and why: route 'servers' | 'workers'; reason:
+    'measured' (costs: RouteCosts), or what decided without measuring."""
+    route: str
+    reason: str
+    costs: Optional[RouteCosts] = None
+
+    def as_dict(self):
+        out = {"route": self.route, "reason": self.reason}
+        if self.costs is not None:
+            out.update(vars(self.costs), servers_s=self.costs.servers_s,
+                       workers_s=self.costs.workers_s)
+        return out
+
+
 # -- measuring a codec -------------------------------------------------------------------
+
+def time_update(optimizer, elements, repeats=3, most=1 << 22):
+    """Seconds of ``optimizer``'s update of ``elements`` float32 weights: timed on a
+    copy of it (its counts and schedule untouched) over min(elements, most) weights,
+    median of ``repeats`` after one warm-up, scaled to ``elements``."""
+    import pickle
+    import time
+    import mxnet as mx
+
+    copy = pickle.loads(pickle.dumps(optimizer))       # (without its param_dict)
+    n = max(1, min(int(elements), int(most)))
+    weight, grad = mx.nd.zeros((n,)), mx.nd.full((n,), 1e-3)
+    state = copy.create_state_multi_precision(0, weight)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        copy.update_multi_precision(0, weight, grad, state)
+        weight.wait_to_read()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[1:])) * elements / n
+
 
 def time_momentum(elements=1 << 20, repeats=3, seed=0):
     """Seconds per element of momentum correction's two passes on a compressed layer

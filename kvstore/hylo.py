@@ -28,7 +28,9 @@ nothing else. kvstore.trainer_hook connects them explicitly: a Trainer whose kvs
 a hylo store attaches itself (``attach_trainer``: int keys are named by its parameters)
 and exchanges its whole step in one call (``exchange_step``).
 """
+import dataclasses
 import os
+import pickle
 import time
 import weakref
 
@@ -38,8 +40,8 @@ from mxnet.kvstore import KVStoreBase
 
 from . import momentum as momentum_correction
 from .compressors import make_compressors
-from .cost_model import (CodecCost, CostModel, ExchangeDrift, WireCost, time_codec,
-                         time_momentum)
+from .cost_model import (CodecCost, CostModel, ExchangeDrift, RouteChoice, RouteCosts,
+                         WireCost, time_codec, time_momentum, time_update)
 from .memory import ResidualMemory
 from .policy import DEFAULT_SIZE_THRESHOLD, LayerPolicy, compress_pull_mode, pull_codec
 from .stats import TrafficStats
@@ -64,6 +66,14 @@ DRIFT_WINDOW = 20        # steps of each median compared (ExchangeDrift)
 DEFAULT_COST_DRIFT = 2.0
 # seconds an exchange waits for one more gradient of backward before it fails
 GRADIENT_WAIT_BOUND_S = 900.0
+# timed exchanges of each route when the store chooses one (server_update='auto')
+ROUTE_PROBE_REPEATS = 2
+# the probe layers of hylo's route are named so (their own keys, residuals and stats)
+ROUTE_PROBE_PREFIX = "__hylo_route_probe__/"
+# optimizers whose update is elementwise: a parameter cut in pieces over the servers
+# is updated exactly as a whole one (a layer-wise rule such as LARS is not)
+ELEMENTWISE_OPTIMIZERS = ("SGD", "NAG", "Signum", "Adam", "AdaGrad", "RMSProp",
+                          "AdaDelta", "Adamax", "Nadam", "Ftrl", "FTML")
 
 
 class Layer:
@@ -145,6 +155,21 @@ class Hylo(KVStoreBase):
         loaded; otherwise the layers go in the order given (a Trainer's: last first).
         False: the exchange starts once every gradient is written (no overlap), then
         goes in the order given. The results are bitwise the same either way.
+      server_update: where a gluon.Trainer's optimizer runs, over the parameter server:
+        'auto' (default), True or False. On the servers (kvstore.server_route), every
+        layer travels dense as with MXNet's dist_sync: gradients pushed, the servers
+        sum them and update once, weights pulled; on the workers, hylo's exchange.
+        'auto' chooses at the Trainer's first step, from one step's exchange timed
+        both ways on the Trainer's own parameters (every worker at once, rank 0's
+        figures; kvstore.cost_model.RouteCosts), and keeps the choice for the run: the
+        servers where hylo would not be at least 10% faster (a fast network). Only
+        with the cost model on, and only where the servers can do the update as the
+        workers would: a Trainer not given update_on_kvstore=False, an elementwise
+        optimizer of MXNet's (ELEMENTWISE_OPTIMIZERS; not LARS), float32 parameters
+        without multi_precision. True: the servers always (an error where they cannot);
+        False: the workers always. On the servers' route trainer.save_states cannot
+        save the optimizer's state (it lives on the servers, as with dist_sync);
+        stats()['route'] says which route was taken and why.
       chunk_elements, bucket_bytes, split_elements, stall_timeout: parameter-server
         transport options (largest piece of a layer in one key; size of the buckets
         small layers are fused into; elements on the wire from which a layer is cut
@@ -159,7 +184,7 @@ class Hylo(KVStoreBase):
                  min_conv_rate=0.01, threshold_scale=1.0, compress_pull="auto",
                  momentum_correction="auto", momentum_masking=False, warmup_steps=None,
                  cost_model="auto", cost_recheck_steps=None, cost_drift=None,
-                 overlap="auto",
+                 overlap="auto", server_update="auto",
                  transport="auto", **transport_options):
         if cost_model not in ("auto", True, False):
             raise ValueError("cost_model must be 'auto', True or False, got %r"
@@ -186,6 +211,11 @@ class Hylo(KVStoreBase):
             raise ValueError("momentum_masking must be True or False, got %r"
                              % (momentum_masking,))
         self.momentum_masking = bool(momentum_masking)
+        if server_update not in ("auto", True, False):
+            raise ValueError("server_update must be 'auto', True or False, got %r"
+                             % (server_update,))
+        self.server_update = server_update
+        self.route = None         # RouteChoice, once a Trainer's first step chose it
         self.warmup_steps = _steps_option("warmup_steps", warmup_steps,
                                           DEFAULT_WARMUP_STEPS)
         self.cost_recheck_steps = _steps_option("cost_recheck_steps", cost_recheck_steps,
@@ -429,6 +459,96 @@ class Hylo(KVStoreBase):
         and errors. A store serves one Trainer (keys are that Trainer's indices)."""
         self._trainer = weakref.ref(trainer)
 
+    def route_for(self, trainer):
+        """The store ``trainer`` exchanges through instead of this one: a
+        kvstore.server_route.ServerUpdateStore where its optimizer runs on the servers
+        (the server_update option), else None. Called by kvstore.trainer_hook once
+        Gluon has made the Trainer's store (at its first step), on every worker."""
+        refused = self._route_refused(trainer)
+        if self.server_update is False:
+            self.route = RouteChoice("workers", "server_update=False")
+        elif self.server_update is True:
+            if refused:
+                raise ValueError("server_update=True, but " + refused)
+            self.route = RouteChoice("servers", "server_update=True")
+        elif refused or self.cost is None:
+            self.route = RouteChoice("workers", refused or "the cost model is off")
+        else:
+            costs = self._time_routes(trainer)
+            self.route = RouteChoice(costs.route(), "measured", costs)
+        if self.route.route == "workers":
+            return None
+        return self.transport.server_route(trainer._params)
+
+    def _route_refused(self, trainer):
+        """Why ``trainer``'s optimizer cannot run on the servers, or None."""
+        if self.transport.num_servers == 0:
+            return "%s has no servers" % type(self.transport).__name__
+        if trainer._kvstore_params.get("update_on_kvstore") is False:
+            return "the Trainer was given update_on_kvstore=False"
+        optimizer = trainer._optimizer
+        if type(optimizer).__name__ not in ELEMENTWISE_OPTIMIZERS or \
+                type(optimizer).__module__.split(".")[0] != "mxnet":
+            return ("its optimizer %s is not one of MXNet's elementwise ones (%s): a "
+                    "parameter cut over the servers would not be updated as a whole one"
+                    % (type(optimizer).__name__, ", ".join(ELEMENTWISE_OPTIMIZERS)))
+        if getattr(optimizer, "multi_precision", False):
+            return "its optimizer has multi_precision (the servers update float32 only)"
+        for param in trainer._params:
+            if param.grad_req != "null" and np.dtype(param.dtype) != np.float32:
+                return "parameter %s is %s, not float32" % (param.name,
+                                                           np.dtype(param.dtype).name)
+        return None
+
+    def _time_routes(self, trainer):
+        """RouteCosts of ``trainer``'s parameters (collective; rank 0's figures). The
+        probes' keys, residuals and traffic are their own."""
+        params = [p for p in trainer._params if p.grad_req != "null"]
+        shapes = [tuple(p.shape) for p in params]
+        traffic, memory, self.traffic, self.memory = \
+            self.traffic, self.memory, TrafficStats(), ResidualMemory()
+        try:
+            dense_s = self.transport.time_dense(shapes, ROUTE_PROBE_REPEATS)
+            hylo_s = self._time_hylo([p.name for p in params], shapes, trainer)
+            update_s = time_update(trainer._optimizer, sum(int(np.prod(s)) for s in shapes))
+        finally:
+            self.traffic, self.memory = traffic, memory
+        dense_s, hylo_s, update_s = [float(v) for v in self.transport.share_from_rank0(
+            [dense_s, hylo_s, update_s])]
+        return RouteCosts(dense_s, hylo_s, update_s, self.transport.num_servers)
+
+    def _time_hylo(self, names, shapes, trainer):
+        """Median seconds of hylo's exchange of random gradients of ``shapes``, each
+        layer planned as layer ``names[i]`` will be (compressed past its warm-up, with
+        momentum correction if the Trainer's optimizer asks for it), in probe layers
+        of their own."""
+        rng = np.random.RandomState(0)
+        keys, values = [], []
+        self._momentum = self._momentum_context(trainer)
+        try:
+            for name, shape in zip(names, shapes):
+                plan = dataclasses.replace(self._plan(name, shape),
+                                           name=ROUTE_PROBE_PREFIX + name)
+                key = plan.name
+                self._layers[key] = Layer(key, plan, self.compressors[plan.strategy])
+                self.memory.set_scalar(plan.name, "warmup_done", self.warmup_steps)
+                keys.append(key)
+                values.append(mx.nd.array(rng.normal(0, 0.01, size=shape)
+                                          .astype(np.float32)))
+            self.broadcast(keys, values, values)
+            times = []
+            for _ in range(ROUTE_PROBE_REPEATS + 1):
+                clock = time.perf_counter()
+                self.pushpull(keys, values)     # (in place: one copy of the model)
+                for v in values:
+                    v.wait_to_read()
+                times.append(time.perf_counter() - clock)
+        finally:
+            self._momentum = None
+            for key in keys:
+                del self._layers[key]
+        return float(np.median(times[1:]))
+
     def exchange_step(self, trainer):
         """Exchange every gradient of ``trainer``'s step in one call (what the Trainer's
         _allreduce_grads does one key at a time), with its optimizer's momentum.
@@ -520,7 +640,10 @@ class Hylo(KVStoreBase):
                                 momentum_correction=self.momentum_correction,
                                 momentum_masking=self.momentum_masking,
                                 warmup_steps=self.warmup_steps, overlap=self.overlap,
-                                cost_model=self.cost is not None))
+                                cost_model=self.cost is not None,
+                                server_update=self.server_update))
+        # where a Trainer's optimizer runs (route_for); None before a Trainer's step
+        out["route"] = None if self.route is None else self.route.as_dict()
         if self.cost is not None:
             out["cost_model"] = {
                 "latency_s": self.cost.wire.latency_s,

@@ -74,7 +74,7 @@ class KeyTable:
         self._next_key = 0
         self._load = [0] * num_servers
         self._weights = None      # seconds per byte per server (use_links), None: equal
-        self._link_probes = {}    # (server, sizes) -> ps keys (link_probe_keys)
+        self._link_probes = {}    # (server, sizes) or ("dense", shapes) -> probe ps keys
         # workers' model check: each worker writes a fingerprint of every new layer into
         # its own slot of this key; the server's sum gathers them (see check_same_model)
         self._check_key = self._key_on(0)
@@ -131,11 +131,35 @@ class KeyTable:
             self._link_probes[(server, sizes)] = keys
         return keys
 
+    def dense_probe_keys(self, shapes):
+        """Dense keys for float32 arrays of ``shapes`` cut and placed as update_keys
+        would (kvstore.server_route), for timing that route: made once per ``shapes``
+        (collective), never part of the load."""
+        shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+        keys = self._link_probes.get(("dense", shapes))
+        if keys is None:
+            load, keys = list(self._load), []
+            for shape in shapes:
+                for layout in plan_chunks("none", shape, self.num_workers,
+                                          self.num_servers, self.chunk_elements,
+                                          self.split_elements):
+                    pskey, server = self._place(layout.wire_nbytes)
+                    self.layouts[pskey] = ("route probe", dataclasses.replace(
+                        layout, server=server))
+                    keys.append(pskey)
+            self._load = load
+            self.kv.init(keys, [mx.nd.zeros((self.layouts[k][1].size,)) for k in keys])
+            self.send_layouts()
+            self._link_probes[("dense", shapes)] = keys
+        return keys
+
     # -- the servers' layout table -------------------------------------------------------
 
-    def send_layouts(self, mode=None):
-        """Send the servers every key's layout (and a mode, kvstore.server.MODES)."""
-        self.kv.set_optimizer(ServerDecoder(self.layouts, self.threshold_scale, mode))
+    def send_layouts(self, mode=None, route=None):
+        """Send the servers every key's layout (and a mode, kvstore.server.MODES; and
+        a kvstore.server.RouteOptimizer for the 'update' keys)."""
+        self.kv.set_optimizer(ServerDecoder(self.layouts, self.threshold_scale, mode,
+                                            route))
         self.layouts_sent = True
 
     def check_servers_decode(self):
@@ -181,19 +205,23 @@ class KeyTable:
         Without this check a worker whose model differs dies in ps-lite with a size
         check that does not say why.
         """
-        text = repr((layer.plan.shape, layer.plan.strategy)).encode()
-        mine = float(zlib.crc32(text) % (1 << 23) + 1)      # exact in float32
+        self._check_same(repr((layer.plan.shape, layer.plan.strategy)),
+                         "layer %r (key %r) is %s with policy %s" % (
+                             layer.plan.name, layer.key, layer.plan.shape,
+                             layer.plan.strategy))
+
+    def _check_same(self, text, described):
+        """Raise, saying ``described`` (this worker's), unless every worker passes the
+        same ``text`` at this point (a collective)."""
+        mine = float(zlib.crc32(text.encode()) % (1 << 23) + 1)      # exact in float32
         slots = np.zeros(self.num_workers, np.float32)
         slots[self.rank] = mine
         got = mx.nd.zeros((self.num_workers,))
         self.kv.push(self._check_key, mx.nd.array(slots))
         self.kv.pull(self._check_key, out=got)
         if not np.all(got.asnumpy() == mine):
-            raise RuntimeError(
-                "workers train different models: layer %r (key %r) is %s with policy %s "
-                "on worker %d, and differs on another worker" % (
-                    layer.plan.name, layer.key, layer.plan.shape, layer.plan.strategy,
-                    self.rank))
+            raise RuntimeError("workers train different models: %s on worker %d, and "
+                               "differs on another worker" % (described, self.rank))
 
     # -- a layer's keys ------------------------------------------------------------------
 
@@ -247,6 +275,27 @@ class KeyTable:
                 self.pull_buffers[pskey] = (
                     mx.nd.sparse.zeros("row_sparse", chunk.key_shape),
                     mx.nd.arange(chunk.pull_rows, dtype=np.int64))
+        return chunks
+
+    def update_keys(self, name, value):
+        """[Chunk] of kind 'update' for parameter ``name`` whose optimizer runs on the
+        servers (kvstore.server_route): dense pieces cut and placed as a dense layer's
+        are, initialized with rank 0's ``value`` (collective: every worker calls this,
+        in the same order). Their layouts reach the servers with the next
+        send_layouts."""
+        self._check_same(repr(("update", value.shape)),
+                         "parameter %r is %s" % (name, value.shape))
+        chunks = []
+        for layout in plan_chunks("none", value.shape, self.num_workers, self.num_servers,
+                                  self.chunk_elements, self.split_elements):
+            pskey, server = self._place(layout.wire_nbytes)
+            layout = dataclasses.replace(layout, kind="update", server=server)
+            self.layouts[pskey] = (name, layout)
+            chunks.append(Chunk(pskey, layout))
+        flat = value.reshape((-1,))
+        self.kv.init([c.pskey for c in chunks],
+                     [flat[c.layout.lo:c.layout.hi] for c in chunks])
+        self.layouts_sent = False
         return chunks
 
     def replan(self, old, new):

@@ -11,6 +11,12 @@ aggregate, the workers' payloads gathered (pull 'gather', exact), or, for a chun
 with a re-compressed pull, the aggregate encoded by ``PullEncoder`` (server-side error feedback: what is not sent stays in the server's
 residual of that key and is added to the key's next aggregate).
 
+Keys of kind 'update' (kvstore.server_route: the dense route, where compression would
+not pay) are what MXNet's dist_sync keys are: the stored array is the weight, and the
+server runs the Trainer's optimizer on it with the summed gradient. The optimizer comes
+in a ServerDecoder too (``route``, a RouteOptimizer); its state lives in this server
+process, so a new learning rate sent mid-run keeps the momentum and the update counts.
+
 The same hook carries commands: a ServerDecoder with ``mode`` 'dump' makes the next
 push of every compressed-pull key write the server's state (residual, codec scalars)
 for the workers to pull into a checkpoint; 'load' makes it take the pushed values as
@@ -18,6 +24,8 @@ its state; 'run' goes back to aggregating. Workers switch modes between barriers
 """
 import logging
 import os
+from dataclasses import dataclass
+from typing import Dict, Tuple
 
 import mxnet as mx
 import numpy as np
@@ -31,6 +39,19 @@ log = logging.getLogger("mxhylo.server")
 MODES = ("run", "dump", "load")
 
 
+@dataclass
+class RouteOptimizer:
+    """The Trainer's optimizer for the keys of kind 'update' (kvstore.server_route).
+
+    optimizer: the Trainer's mx.optimizer.Optimizer, pickled (MXNet drops its
+    param_dict, where Gluon keeps each parameter's multipliers, so they travel here);
+    mults: ps key -> (lr_mult, wd_mult) of the parameter the key is a piece of. The
+    server passes the ps key as the optimizer's index: a piece is updated once a step.
+    """
+    optimizer: object
+    mults: Dict[int, Tuple[float, float]]
+
+
 class ServerDecoder(mx.optimizer.Optimizer):
     """Decodes and aggregates hylo payloads on a server (pickled to it by the workers).
 
@@ -39,15 +60,17 @@ class ServerDecoder(mx.optimizer.Optimizer):
     worker sent means the workers train different models, which ends the server with
     an error saying so. threshold_scale: of the 2-bit codec that encodes pulls.
     mode: None (unchanged) or one of MODES (see the module docstring).
+    route: None (unchanged) or a RouteOptimizer for the 'update' keys.
     """
 
-    def __init__(self, layouts, threshold_scale=1.0, mode=None, **kwargs):
+    def __init__(self, layouts, threshold_scale=1.0, mode=None, route=None, **kwargs):
         super().__init__(**kwargs)
         if mode is not None and mode not in MODES:
             raise ValueError("server mode must be one of %s, got %r" % (MODES, mode))
         self.layouts = dict(layouts)
         self.threshold_scale = float(threshold_scale)
         self.mode = mode
+        self.route = route
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -55,6 +78,8 @@ class ServerDecoder(mx.optimizer.Optimizer):
         _SERVER.pull.set_threshold_scale(self.threshold_scale)
         if self.mode is not None:
             _SERVER.mode = self.mode
+        if self.route is not None:
+            _SERVER.set_route(self.route)
 
     def create_state(self, index, weight):
         return None
@@ -79,13 +104,42 @@ class ServerState:
 
     layouts: ps key -> (layer name, ChunkLayout), merged from every table received;
     mode: one of MODES; pull: the PullEncoder of re-compressed pulls (its residuals
-    are the server's checkpointed state).
+    are the server's checkpointed state); optimizer: the Trainer's, for the 'update'
+    keys (None until a RouteOptimizer comes); optimizer_states: ps key -> its state.
     """
 
     def __init__(self):
         self.layouts = {}
         self.mode = "run"
         self.pull = PullEncoder()
+        self.optimizer = None
+        self.optimizer_states = {}
+
+    def set_route(self, route):
+        """Take ``route``'s optimizer for the 'update' keys. A replacement (the Trainer's
+        learning rate or another setting changed) takes over the update counts (its
+        schedule and Adam's bias correction go on); the states stay."""
+        optimizer = route.optimizer
+        optimizer.param_dict = {}
+        optimizer.lr_mult = {k: float(m[0]) for k, m in route.mults.items()}
+        optimizer.wd_mult = {k: float(m[1]) for k, m in route.mults.items()}
+        if self.optimizer is not None:
+            optimizer._all_index_update_counts = self.optimizer._all_index_update_counts
+            optimizer._index_update_count = self.optimizer._index_update_count
+            optimizer.num_update = self.optimizer.num_update
+        self.optimizer = optimizer
+
+    def update_weight(self, key, stored, received):
+        """The Trainer's optimizer on an 'update' key: ``stored`` is the weight piece,
+        ``received`` the workers' summed gradient of it."""
+        if self.optimizer is None:
+            _fatal("parameter-server key %d updates its weight on the servers, but no "
+                   "optimizer was sent" % key)
+        state = self.optimizer_states.get(key)
+        if key not in self.optimizer_states:
+            state = self.optimizer_states[key] = \
+                self.optimizer.create_state_multi_precision(key, stored)
+        self.optimizer.update_multi_precision(key, stored, received, state)
 
     def merge_layouts(self, layouts):
         for key, (name, layout) in layouts.items():
@@ -115,6 +169,9 @@ class ServerState:
                                                      received.tostype("default").asnumpy())
                     self.pull.set_state("key%d" % key, residual.reshape(pull_shape(layout)),
                                         threshold)
+                return
+            if layout.kind == "update":
+                self.update_weight(key, stored, received)
                 return
             if layout.kind == "dense":
                 stored[:] = received

@@ -10,9 +10,14 @@ a hylo store, and leaves every other store to Gluon's own code:
 
 * ``_init_kvstore``: once Gluon has created the Trainer's store, a hylo store is told
   its Trainer (``Hylo.attach_trainer``), before the parameters are broadcast under
-  their indices;
+  their indices; and it chooses where the Trainer's optimizer runs
+  (``Hylo.route_for``): on the servers, the Trainer gets the store of that route
+  (kvstore.server_route.ServerUpdateStore) with update_on_kvstore, and Gluon drives
+  it as it drives dist_sync;
 * ``_allreduce_grads``: a hylo store exchanges the whole step in one call
-  (``Hylo.exchange_step``) instead of Gluon's loop of one pushpull per key.
+  (``Hylo.exchange_step``) instead of Gluon's loop of one pushpull per key; on the
+  servers' route the Trainer's optimizer settings (its learning rate) reach the
+  servers first (``ServerUpdateStore.sync_optimizer``), then Gluon's loop runs.
 
 And one repair for every distributed store, MXNet's own included:
 
@@ -32,6 +37,8 @@ registered with MXNet).
 """
 import functools
 import os
+
+from .server_route import ServerUpdateStore
 
 _GLUON = {}      # method name -> Gluon's own function, once installed (install once)
 
@@ -53,6 +60,11 @@ def install(store_class):
         init_kvstore(trainer)
         if isinstance(trainer._kvstore, store_class):
             trainer._kvstore.attach_trainer(trainer)
+            route = trainer._kvstore.route_for(trainer)
+            if route is not None:
+                trainer._kvstore = route
+                trainer._update_on_kvstore = True
+                route.set_optimizer(trainer._optimizer)
 
     @functools.wraps(init_params)
     def _init_params(trainer):
@@ -72,8 +84,10 @@ def install(store_class):
         kv = trainer._kvstore
         if isinstance(kv, store_class) and not trainer._update_on_kvstore:
             kv.exchange_step(trainer)
-        else:
-            allreduce_grads(trainer)
+            return
+        if isinstance(kv, ServerUpdateStore):
+            kv.sync_optimizer(trainer._optimizer)
+        allreduce_grads(trainer)
 
     _GLUON.update(_init_kvstore=init_kvstore, _init_params=init_params,
                   _allreduce_grads=allreduce_grads)

@@ -55,10 +55,12 @@ class Transport(abc.ABC):
     writes their gradients (every worker may take them in a different order);
     collectives that every worker must enter in the same order cannot. split_elements:
     from how many float32 elements on the wire a layer is cut over several links (None:
-    never).
+    never). num_servers: servers that could run a Trainer's optimizer (0: none; see
+    server_route).
     """
     rank = 0
     num_workers = 1
+    num_servers = 0
     any_order = False
     split_elements = None   # from how many elements on the wire a layer is cut, if ever
 
@@ -98,6 +100,17 @@ class Transport(abc.ABC):
         timed alone with dense probes of ``probe_elements`` float32 values (every
         worker calls it at once: collective), or None where there are no links to
         choose between (in-process; Horovod's ring)."""
+        return None
+
+    def time_dense(self, shapes, repeats):
+        """Median seconds, after a warm-up, over ``repeats`` dense exchanges of float32
+        arrays of ``shapes`` in the keys the servers' route would give them (every
+        worker at once: collective); None where there are no servers."""
+        return None
+
+    def server_route(self, params):
+        """A kvstore.server_route.ServerUpdateStore for a Trainer's ``params`` (its
+        optimizer run on the servers), or None where there are no servers."""
         return None
 
     def use_costs(self, cost):

@@ -158,7 +158,8 @@ class PSTransport(Transport):
             split_elements = DEFAULT_SPLIT_MIN
         # a bucket stays one key on one server, like a chunk
         self._groups, self._group_of = [], {}     # this exchange's buckets (prepare)
-        self.keys = KeyTable(self.kv, int(os.environ["DMLC_NUM_SERVER"]), chunk_elements,
+        self.num_servers = int(os.environ["DMLC_NUM_SERVER"])
+        self.keys = KeyTable(self.kv, self.num_servers, chunk_elements,
                              int(split_elements), min(int(bucket_bytes) // 4, chunk_elements),
                              compress_pull, float(threshold_scale), bool(warmup))
         self.checkpoint = ServerCheckpoint(self.keys, collective_timeout)
@@ -201,19 +202,33 @@ class PSTransport(Transport):
         return LinkCosts.fit([4 * n for n in sizes], seconds, seconds[0][0], many,
                              MESSAGE_PROBE_KEYS)
 
-    def _time_keys(self, keys, sizes, repeats):
+    # -- the servers' route (kvstore.server_route) --------------------------------------
+
+    def time_dense(self, shapes, repeats):
+        keys = self.keys.dense_probe_keys(shapes)
+        return self._time_keys(keys, [self.keys.layouts[k][1].size for k in keys], repeats,
+                               "the servers' route probe")
+
+    def server_route(self, params):
+        from .server_route import ServerUpdateStore
+        return ServerUpdateStore(self.keys, params)
+
+    def _time_keys(self, keys, sizes, repeats, what=None):
         """Median seconds of one exchange (push, then pull, of every key) after a
-        warm-up, over ``repeats``."""
+        warm-up, over ``repeats``; ``what``: the probe, for the watchdog's message
+        (default: the link probe of the first key's server)."""
         values = [mx.nd.zeros((n,)) for n in sizes]
         outs = [mx.nd.zeros((n,)) for n in sizes]
-        server = self.keys.layouts[keys[0]][1].server
+        if what is None:
+            what = ("the cost model's probe of server %d's link"
+                    % self.keys.layouts[keys[0]][1].server)
         times = []
         for _ in range(repeats + 1):
             # bounded like an exchange: a server that never answers ends the worker
             self.watchdog.begin(self._exchanges)
-            self.watchdog.waiting("the cost model's probe of server %d's link" % server)
+            self.watchdog.waiting(what)
             for key in keys:
-                self.watchdog.owe(key, "link probe", server)
+                self.watchdog.owe(key, "probe", self.keys.layouts[key][1].server)
             clock = time.perf_counter()
             for key, value in zip(keys, values):
                 self.kv.push(key, value)

@@ -81,12 +81,17 @@ ROW_ID_BYTES = 8              # row_sparse pushes and pulls carry int64 row ids
 STATEFUL_PULLS = ("fc_2bit", "conv_topk")
 
 
+# kinds of key that hold the piece's float32 values as they are, flat
+FLAT_KINDS = ("dense", "probe", "update")
+
+
 @dataclass(frozen=True)
 class ChunkLayout:
     """One parameter-server key carrying a piece of one layer.
 
     kind: the codec's wire form, 'dense' | 'rows' | 'slots' (kvstore.codec; 'probe':
-    the start-up check that a server decodes); lo, hi: the piece, in elements of the
+    the start-up check that a server decodes; 'update': a dense piece of a parameter
+    whose optimizer runs on the servers, kvstore.server_route); lo, hi: the piece, in elements of the
     flat layer for dense and slots, in filters for rows; size: elements of the piece; cols: row
     width; rows: rows of the key; slot_rows: rows per worker's slot
     (slots); slots: workers' slots (slots); codec: the codec of a slots chunk;
@@ -118,7 +123,7 @@ class ChunkLayout:
 
     @property
     def key_shape(self):
-        return (self.size,) if self.kind in ("dense", "probe") else (self.rows, self.cols)
+        return (self.size,) if self.kind in FLAT_KINDS else (self.rows, self.cols)
 
     @property
     def rows_filters(self):
@@ -147,7 +152,7 @@ class ChunkLayout:
     def wire_nbytes(self):
         """Bytes of this chunk one worker and its server exchange per step at most, both
         ways (what placing balances)."""
-        if self.kind in ("dense", "probe"):
+        if self.kind in FLAT_KINDS:
             return 8 * self.size
         pull_rows = self.dense_rows if self.pull == "none" else self.pull_rows
         return 4 * self.cols * (self.push_rows + pull_rows)

@@ -29,6 +29,12 @@
         (HOW=serial); the first layer's backward is made late (0.8 s); writes the
         parameters to OUT.npz and, per step, when backward ended and when each layer's
         push left (perf_counter)
+    python tests/dist_keys_worker.py route:HOW OUT  a conv net (one layer cut over the
+        servers) trained 3 steps by a gluon.Trainer with momentum SGD, Gluon's default
+        update_on_kvstore: HOW=servers (a hylo store, server_update=True), dist_sync
+        (MXNet's own store) or auto (a hylo store, server_update='auto'); then, with
+        servers, the Trainer's learning rate and momentum set to 0 and 2 more steps;
+        writes the parameters after the 3 steps (and after the 2) to OUT.npz
 OUT may contain {rank}; the worker writes its results there as JSON.
 """
 import json
@@ -272,6 +278,56 @@ def trainer_order(how):
               open(out.format(rank=kv.rank), "w"))
 
 
+def route(how):
+    """Where the optimizer runs: on the servers' route, as dist_sync, or chosen."""
+    from mxnet import gluon
+    mx.random.seed(0)
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Conv2D(16, 3, in_channels=4, activation="relu"),
+            gluon.nn.Flatten(),
+            gluon.nn.Dense(1024, in_units=16 * 36, activation="relu"),   # 589 824: cut
+            gluon.nn.Dense(10, in_units=1024))
+    net.initialize(mx.init.Xavier())
+    kv = "dist_sync" if how == "dist_sync" else mxhylo.create(
+        "dist_sync_hylo", server_update={"servers": True, "auto": "auto"}[how])
+    trainer = gluon.Trainer(net.collect_params(), "sgd",
+                            {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-4},
+                            kvstore=kv)
+    rank = trainer._kvstore.rank if trainer._kvstore is not None else None
+    rng = np.random.RandomState(7)
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+
+    def steps(n):
+        for _ in range(n):
+            x = mx.nd.array(rng.normal(size=(4, 4, 8, 8)))
+            y = mx.nd.array(rng.randint(0, 10, size=4))
+            with mx.autograd.record():
+                loss = loss_fn(net(x), y)
+            loss.backward()
+            trainer.step(4)
+        mx.nd.waitall()
+        return {"%d" % i: p.data().asnumpy() for i, p in
+                enumerate(net.collect_params().values())}
+    first = steps(3)
+    rank = trainer._kvstore.rank
+    report = {"rank": rank, "update_on_kvstore": bool(trainer._update_on_kvstore),
+              "store": type(trainer._kvstore).__name__}
+    if how != "dist_sync":
+        report["route"] = kv.stats()["route"]
+    arrays = {"first/" + k: v for k, v in first.items()}
+    if how == "servers":
+        trainer.set_learning_rate(0.0)
+        trainer._optimizer.momentum = 0.0
+        arrays.update({"second/" + k: v for k, v in steps(2).items()})
+        try:
+            trainer.save_states(out.format(rank=rank) + ".states")
+            report["save_states"] = "saved"
+        except NotImplementedError as err:
+            report["save_states"] = str(err)
+    np.savez(out.format(rank=rank) + ".npz", **arrays)
+    json.dump(report, open(out.format(rank=rank), "w"))
+
+
 def drift():
     """Rank 0's exchanges drift, rank 1's do not: both measure again at the same step."""
     from mxnet import gluon
@@ -358,6 +414,10 @@ if mode == "recheck":
 
 if mode.startswith("order:"):
     trainer_order(mode[len("order:"):])
+    sys.exit(0)
+
+if mode.startswith("route:"):
+    route(mode[len("route:"):])
     sys.exit(0)
 
 if mode == "drift":

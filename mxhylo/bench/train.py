@@ -63,7 +63,7 @@ from .. import launch
 WORKER = "mxhylo.bench.train_worker"
 
 DEFAULT_MODES = ("dist_sync", "hylo_densepull", "hylo")
-HYLO_MODES = ("hylo_densepull", "hylo", "hylo_nooverlap")
+HYLO_MODES = ("hylo_densepull", "hylo", "hylo_nooverlap", "hylo_workers")
 BASELINE = "dist_sync"
 PS_PORT = 9091
 FULL_SIZE_MODELS = ("vgg", "alexnet")     # classifier shapes depend on the input size
@@ -88,6 +88,8 @@ def add_arguments(parser):
                              "False; hylo_densepull = mxhylo.create('dist_sync_hylo', "
                              "compress_pull=False); hylo = mxhylo.create('dist_sync_hylo'); "
                              "hylo_nooverlap = the same with overlap=False; "
+                             "hylo_workers = the same with server_update=False (hylo's "
+                             "exchange even where the servers' route would be chosen); "
                              "horovod_dense = hvd.DistributedTrainer (Horovod's dense ring "
                              "allreduce); hylo_horovod = mxhylo.create('dist_sync_hylo', "
                              "transport='horovod'). The Horovod modes run W processes, one "

@@ -114,6 +114,12 @@ class HyloNoOverlap(HyloMode):
                    "once backward has ended")
 
 
+class HyloWorkers(HyloMode):
+    options = {"server_update": False}
+    description = ("mxhylo.create('dist_sync_hylo', server_update=False): hylo's exchange "
+                   "and the update on the workers whatever the network")
+
+
 class HorovodStore:
     """What the benchmark asks of a store, for hvd.DistributedTrainer (which has none):
     rank, num_workers; batch_workers 1 (the trainer averages: step(batch_size) gives
@@ -152,6 +158,7 @@ MODES = {
     "hylo_densepull": HyloDensePull,
     "hylo": HyloMode,
     "hylo_nooverlap": HyloNoOverlap,
+    "hylo_workers": HyloWorkers,
     "horovod_dense": HorovodDense,
     "hylo_horovod": HyloHorovod,
 }

@@ -1,0 +1,148 @@
+"""The servers' route: a dense exchange with the Trainer's optimizer on the parameter
+servers, as MXNet's dist_sync does it, through hylo's own keys.
+
+Where compressing would not pay (a fast network; kvstore.hylo's ``server_update``
+option decides), the best a hylo store can give its Trainer is what dist_sync gives:
+the workers push dense gradients, the servers sum them and run the optimizer once
+(not every worker: W times less update work in the job), and the workers pull the
+new weights, every key an engine operation that starts as soon as backward has
+written its gradient. A worker process can hold only one native dist_sync store (a
+second one hangs at its start), so this store travels in keys of the hylo store's
+own: each parameter cut into pieces and placed over the servers as a dense hylo layer
+is (kvstore.ps_keys.KeyTable.update_keys), each piece a key of kind 'update' whose
+server runs the optimizer on it (kvstore.server).
+
+Gluon sees a store with the 'optimizer' capability and drives it as it drives
+dist_sync (``update_on_kvstore``: one pushpull per parameter, gradients in, weights
+out). Beyond dist_sync: the parameters' lr_mult and wd_mult are honoured on the
+servers, and a learning rate (or any other optimizer setting) changed on the Trainer
+reaches them before the next step's pushes (``sync_optimizer``, called by
+kvstore.trainer_hook). Like dist_sync, the optimizer's state lives on the servers:
+``trainer.save_states`` cannot save it, and says so.
+"""
+import pickle
+
+import numpy as np
+from mxnet.kvstore import KVStoreBase
+
+from .server import RouteOptimizer
+
+
+class ServerUpdateStore(KVStoreBase):
+    """Dense gradients pushed, the optimizer run on the servers, weights pulled.
+
+    keys: the hylo store's kvstore.ps_keys.KeyTable (its native store and placement);
+    params: the Trainer's parameters, by index (Gluon's keys), for names and their
+    lr_mult / wd_mult.
+    """
+    kv_type = "dist_sync"
+
+    def __init__(self, keys, params):
+        self._keys = keys
+        self._params = list(params)
+        self._chunks = {}       # parameter index -> [Chunk] of kind 'update'
+        self._sent = None       # the optimizer last sent, pickled
+
+    @property
+    def type(self):
+        return self.kv_type
+
+    @property
+    def rank(self):
+        return self._keys.rank
+
+    @property
+    def num_workers(self):
+        return self._keys.num_workers
+
+    @staticmethod
+    def is_capable(capability):
+        if capability.lower() == KVStoreBase.OPTIMIZER:
+            return True
+        raise ValueError("Unknown capability: {}".format(capability))
+
+    def set_optimizer(self, optimizer):
+        """Run ``optimizer`` on the servers for every parameter (sent at once)."""
+        self._sent = None
+        self.sync_optimizer(optimizer)
+
+    def sync_optimizer(self, optimizer):
+        """Send ``optimizer`` to the servers if any of its settings changed since it was
+        last sent (its learning rate, say): called before every step's pushes. The
+        servers keep their optimizer state and update counts (kvstore.server)."""
+        state = pickle.dumps(optimizer)     # (MXNet's pickling drops param_dict)
+        if state == self._sent and self._keys.layouts_sent:
+            return
+        mults = {c.pskey: (float(self._params[i].lr_mult), float(self._params[i].wd_mult))
+                 for i, chunks in self._chunks.items() for c in chunks}
+        self._keys.send_layouts(route=RouteOptimizer(pickle.loads(state), mults))
+        self._sent = state
+
+    def broadcast(self, key, value, out, priority=0):
+        """Store rank 0's ``value`` of parameter ``key`` on the servers (in the pieces
+        the optimizer will update) and pull it into every array of ``out``."""
+        for k, v, o in zip(*_as_lists(key, value, out)):
+            if k in self._chunks:
+                raise ValueError("parameter %d (%s) is already on the servers"
+                                 % (k, self._name(k)))
+            if v[0].dtype != np.float32:
+                raise ValueError("parameter %s is %s: the servers' route updates float32 "
+                                 "weights only" % (self._name(k), np.dtype(v[0].dtype).name))
+            self._chunks[k] = self._keys.update_keys(self._name(k), v[0])
+            self._sent = None       # the new keys' multipliers go with the next send
+            self._move(k, None, o, priority)
+
+    def pushpull(self, key, value, out=None, priority=0):
+        """Push the gradients ``value`` of parameter ``key`` (one per device), and pull
+        the weights the servers' optimizer made into ``out``."""
+        if out is None:
+            raise ValueError("the servers' route pulls weights: pushpull needs out= "
+                             "(the parameter's arrays)")
+        if not self._keys.layouts_sent:
+            raise RuntimeError("the servers' route pushed before its optimizer was sent: "
+                               "call sync_optimizer first")
+        for k, v, o in zip(*_as_lists(key, value, out)):
+            if k not in self._chunks:
+                raise ValueError("parameter %r was never broadcast to the servers" % (k,))
+            self._move(k, v, o, priority)
+
+    def _move(self, key, values, outs, priority):
+        """Push ``values`` (None: nothing) into parameter ``key``'s pieces and pull the
+        pieces into ``outs``, each piece a view of the flat arrays."""
+        chunks = self._chunks[key]
+        pskeys = [c.pskey for c in chunks]
+        flat_outs = [o.reshape((-1,)) for o in outs]
+        pulls = [[f[c.layout.lo:c.layout.hi] for f in flat_outs] for c in chunks]
+        if values is None:
+            self._keys.kv.pull(pskeys, out=pulls, priority=priority)
+            return
+        flat_values = [v.reshape((-1,)) for v in values]
+        pushes = [[f[c.layout.lo:c.layout.hi] for f in flat_values] for c in chunks]
+        self._keys.kv.pushpull(pskeys, pushes, out=pulls, priority=priority)
+
+    def _name(self, key):
+        return self._params[key].name if 0 <= key < len(self._params) else str(key)
+
+    def save_optimizer_states(self, fname, dump_optimizer=False):
+        raise NotImplementedError(
+            "this Trainer's optimizer runs on the parameter servers (the hylo store chose "
+            "its servers' route: server_update), where the workers cannot read its state, "
+            "as with MXNet's dist_sync. To checkpoint optimizer states, create the store "
+            "with server_update=False (or the Trainer with update_on_kvstore=False).")
+
+    def load_optimizer_states(self, fname):
+        self.save_optimizer_states(fname)
+
+    def set_gradient_compression(self, compression_params):
+        raise ValueError("the servers' route of a hylo store sends dense gradients")
+
+
+def _as_lists(key, value, out):
+    """(keys, per key the list of values, per key the list of outputs)."""
+    if isinstance(key, (list, tuple)):
+        return list(key), [_as_list(v) for v in value], [_as_list(o) for o in out]
+    return [key], [_as_list(value)], [_as_list(out)]
+
+
+def _as_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
