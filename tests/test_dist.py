@@ -12,6 +12,8 @@ import time
 import numpy as np
 import pytest
 
+from mxhylo.kvstore.cost_model import RouteCosts
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -340,3 +342,46 @@ def test_cost_model_rechecked_mid_run_replans_and_loses_nothing(tmp_path):
             # every worker receives the sum: got is the workers' total, twice counted once
             close = np.allclose(runs[0]["got/" + k], total, rtol=1e-4, atol=1e-5)
             assert close == (flushed or k == "bias"), (phase, k)
+
+
+def _route_run(tmp_path, how):
+    proc, out, _ = launch_keys_worker(tmp_path, "route:" + how, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    reports = [json.load(open(out.format(rank=r))) for r in range(2)]
+    arrays = [dict(np.load(out.format(rank=r) + ".npz")) for r in range(2)]
+    return reports, arrays
+
+
+def test_servers_route_equals_dist_sync_and_takes_a_new_learning_rate(tmp_path):
+    """server_update=True: Gluon updates on the servers through hylo's keys (one layer
+    cut over both servers), bitwise what MXNet's dist_sync gives; a learning rate and
+    momentum set to 0 on the Trainer reach the servers (the weights stop: under
+    dist_sync they would go on moving with the servers' momentum); save_states says
+    why it cannot save."""
+    reports, arrays = _route_run(tmp_path, "servers")
+    dense_reports, dense = _route_run(tmp_path, "dist_sync")
+    for report in reports:
+        assert report["store"] == "ServerUpdateStore" and report["update_on_kvstore"]
+        assert report["route"] == {"route": "servers", "reason": "server_update=True"}
+        assert "optimizer runs on the parameter servers" in report["save_states"]
+    assert dense_reports[0]["update_on_kvstore"]
+    first = {k: v for k, v in arrays[0].items() if k.startswith("first/")}
+    assert_same(first, {k: v for k, v in dense[0].items() if k.startswith("first/")})
+    assert_same(arrays[0], arrays[1])
+    for key, value in first.items():
+        np.testing.assert_array_equal(arrays[0]["second/" + key[len("first/"):]], value,
+                                      err_msg=key)
+
+
+def test_route_chosen_by_rank0s_measurements(tmp_path):
+    """server_update='auto': every worker takes the route rank 0's figures choose."""
+    reports, arrays = _route_run(tmp_path, "auto")
+    route = reports[0]["route"]
+    assert route == reports[1]["route"] and route["reason"] == "measured"
+    assert route["dense_s"] > 0 and route["hylo_s"] > 0 and route["update_s"] > 0
+    want = RouteCosts(route["dense_s"], route["hylo_s"], route["update_s"],
+                      route["servers"]).route()
+    assert route["route"] == want
+    assert reports[0]["store"] == {"servers": "ServerUpdateStore",
+                                   "workers": "DistSyncHylo"}[want]
+    assert_same(arrays[0], arrays[1])

@@ -1,0 +1,125 @@
+"""The servers' route (kvstore.server_route): the rule that chooses it, what refuses it,
+and the servers' side of it (kvstore.server), in one process. Through real servers:
+tests/test_dist.py (equal to dist_sync bitwise, a new learning rate reaching the
+servers, every worker taking rank 0's choice)."""
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import gluon
+
+import mxhylo
+from mxhylo.kvstore.cost_model import RouteChoice, RouteCosts
+from mxhylo.kvstore.server import RouteOptimizer, ServerState
+from mxhylo.kvstore.wire import ChunkLayout
+
+
+# -- the rule ----------------------------------------------------------------------------
+
+def test_route_rule_weighs_the_update_where_it_runs():
+    # the update: on every worker in hylo's route, shared by the servers in theirs
+    costs = RouteCosts(dense_s=1.0, hylo_s=0.5, update_s=0.4, servers=2)
+    assert costs.servers_s == pytest.approx(1.2)
+    assert costs.workers_s == pytest.approx(0.9)
+    assert costs.route() == "workers"                       # 0.9 < 0.9 * 1.2
+    # hylo's exchange faster, but not by the margin once the update is counted
+    assert RouteCosts(1.0, 0.8, 0.2, 2).route() == "servers"    # 1.0 vs 0.9 * 1.1
+    # a tie goes to the servers (the dense setup)
+    assert RouteCosts(1.0, 1.0, 0.0, 2).route() == "servers"
+    assert RouteCosts(1.0, 0.5, 0.0, 2).route(margin=0.6) == "servers"
+    choice = RouteChoice("workers", "measured", costs).as_dict()
+    assert choice["route"] == "workers" and choice["servers_s"] == pytest.approx(1.2)
+    assert RouteChoice("workers", "server_update=False").as_dict() == {
+        "route": "workers", "reason": "server_update=False"}
+
+
+# -- what refuses the servers' route ------------------------------------------------------
+
+def _trainer(kv, optimizer="sgd", params=None, dtype="float32", **trainer_kwargs):
+    net = gluon.nn.Dense(3, in_units=4, dtype=dtype)
+    net.initialize()
+    if isinstance(optimizer, str):
+        params = params or {"learning_rate": 0.1}
+    return gluon.Trainer(net.collect_params(), optimizer, params, kvstore=kv,
+                         **trainer_kwargs)
+
+
+def test_in_one_process_there_are_no_servers_to_update_on():
+    kv = mxhylo.create("hylo", server_update=True)
+    trainer = _trainer(kv)
+    net_params = list(trainer._params)
+    for p in net_params:
+        p.grad()[:] = 1.0
+    with pytest.raises(ValueError, match="server_update=True, but LocalTransport has no servers"):
+        trainer.step(1, ignore_stale_grad=True)
+    kv = mxhylo.create("hylo")          # 'auto': the workers, and stats() says why
+    trainer = _trainer(kv)
+    for p in trainer._params:
+        p.grad()[:] = 1.0
+    trainer.step(1, ignore_stale_grad=True)
+    assert trainer._kvstore is kv and not trainer._update_on_kvstore
+    assert kv.stats()["route"] == {"route": "workers",
+                                   "reason": "LocalTransport has no servers"}
+
+
+@pytest.mark.parametrize("case, match", [
+    ("update_on_kvstore", "update_on_kvstore=False"),
+    ("lars", "not one of MXNet's elementwise"),
+    ("multi_precision", "multi_precision"),
+    ("float16", "float16, not float32"),
+])
+def test_what_keeps_the_optimizer_on_the_workers(case, match):
+    kv = mxhylo.create("hylo")
+    kv.transport.num_servers = 2        # as if over the parameter server
+    if case == "update_on_kvstore":
+        trainer = _trainer(kv, update_on_kvstore=False)
+    elif case == "lars":
+        trainer = _trainer(kv, mx.optimizer.LARS(learning_rate=0.1))
+    elif case == "multi_precision":
+        trainer = _trainer(kv, params={"learning_rate": 0.1, "multi_precision": True})
+    else:
+        trainer = _trainer(kv, dtype="float16")
+    assert match in kv._route_refused(trainer)
+    assert kv._route_refused(_trainer(kv, "adam")) is None
+    assert kv._route_refused(_trainer(kv, "nag", {"momentum": 0.9})) is None
+
+
+def test_server_update_option_is_checked():
+    with pytest.raises(ValueError, match="server_update must be"):
+        mxhylo.create("hylo", server_update="yes")
+
+
+# -- the servers' side --------------------------------------------------------------------
+
+def _sgd_step(w, mom, g, lr, wd, momentum):
+    """MXNet's sgd_mom_update in float32 numpy."""
+    mom[:] = momentum * mom - lr * (g + wd * w)
+    w += mom
+
+
+def test_server_runs_the_trainers_optimizer_with_multipliers_and_keeps_state():
+    rng = np.random.RandomState(0)
+    server = ServerState()
+    server.layouts = {5: ("a", ChunkLayout("update", 0, 6, 6)),
+                      9: ("b", ChunkLayout("update", 6, 10, 4))}
+    sgd = mx.optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=0.01)
+    # key 5: wd_mult 0 (Gluon's no-wd parameters); key 9: lr_mult 2
+    server.set_route(RouteOptimizer(sgd, {5: (1.0, 0.0), 9: (2.0, 1.0)}))
+    weights = {5: rng.normal(size=6).astype(np.float32),
+               9: rng.normal(size=4).astype(np.float32)}
+    stored = {k: mx.nd.array(w) for k, w in weights.items()}
+    moms = {k: np.zeros_like(w) for k, w in weights.items()}
+    mults = {5: (1.0, 0.0), 9: (2.0, 1.0)}
+    for step in range(3):
+        if step == 2:   # a new learning rate mid-run: momentum and counts carry on
+            server.set_route(RouteOptimizer(mx.optimizer.SGD(
+                learning_rate=0.0, momentum=0.9, wd=0.01), mults))
+        lr = 0.0 if step == 2 else 0.1
+        for key in (5, 9):
+            g = rng.normal(size=weights[key].shape).astype(np.float32)
+            server.aggregate_into(key, stored[key], mx.nd.array(g))
+            _sgd_step(weights[key], moms[key], g, np.float32(lr * mults[key][0]),
+                      np.float32(0.01 * mults[key][1]), np.float32(0.9))
+            np.testing.assert_allclose(stored[key].asnumpy(), weights[key], rtol=1e-6,
+                                       atol=1e-7, err_msg="step %d key %d" % (step, key))
+    assert server.optimizer.num_update == 3         # counts went on across the new one
+    assert sorted(server.optimizer_states) == [5, 9]
