@@ -10,6 +10,7 @@ made between exchanges (kv.init is collective), and the servers get the new layo
 (a pickled ServerDecoder, kvstore.server) before any push of the new keys.
 """
 import dataclasses
+import os
 import zlib
 from dataclasses import dataclass
 from typing import Tuple
@@ -21,6 +22,8 @@ from .policy import pull_codec
 from .server import ServerDecoder
 from .wire import ChunkLayout, plan_chunks, rows_from_zero
 
+# MXNet's default MXNET_KVSTORE_BIGARRAY_BOUND: dist_sync cuts keys from this many elements
+MXNET_BIGARRAY_BOUND = 1000 * 1000
 # a bucket gathers small layers written within this fraction of backward (in gradient
 # elements): KeyTable.bucket_groups
 BUCKET_SPANS = 8
@@ -131,6 +134,15 @@ class KeyTable:
             self._link_probes[(server, sizes)] = keys
         return keys
 
+    def _route_chunks(self, shape):
+        """Dense pieces of a parameter on the servers' route, cut as MXNet cuts a
+        dist_sync key: whole below its big-array bound (MXNET_KVSTORE_BIGARRAY_BOUND,
+        1e6 elements by default), else into a multiple of the number of servers (and
+        pieces of at most chunk_elements)."""
+        bound = int(os.environ.get("MXNET_KVSTORE_BIGARRAY_BOUND", MXNET_BIGARRAY_BOUND))
+        return plan_chunks("none", shape, self.num_workers, self.num_servers,
+                           self.chunk_elements, bound)
+
     def dense_probe_keys(self, shapes):
         """Dense keys for float32 arrays of ``shapes`` cut and placed as update_keys
         would (kvstore.server_route), for timing that route: made once per ``shapes``
@@ -140,9 +152,7 @@ class KeyTable:
         if keys is None:
             load, keys = list(self._load), []
             for shape in shapes:
-                for layout in plan_chunks("none", shape, self.num_workers,
-                                          self.num_servers, self.chunk_elements,
-                                          self.split_elements):
+                for layout in self._route_chunks(shape):
                     pskey, server = self._place(layout.wire_nbytes)
                     self.layouts[pskey] = ("route probe", dataclasses.replace(
                         layout, server=server))
@@ -279,15 +289,14 @@ class KeyTable:
 
     def update_keys(self, name, value):
         """[Chunk] of kind 'update' for parameter ``name`` whose optimizer runs on the
-        servers (kvstore.server_route): dense pieces cut and placed as a dense layer's
-        are, initialized with rank 0's ``value`` (collective: every worker calls this,
-        in the same order). Their layouts reach the servers with the next
-        send_layouts."""
+        servers (kvstore.server_route): dense pieces cut as dist_sync cuts its keys
+        (_route_chunks), each placed on the least-loaded server, initialized with rank
+        0's ``value`` (collective: every worker calls this, in the same order). Their
+        layouts reach the servers with the next send_layouts."""
         self._check_same(repr(("update", value.shape)),
                          "parameter %r is %s" % (name, value.shape))
         chunks = []
-        for layout in plan_chunks("none", value.shape, self.num_workers, self.num_servers,
-                                  self.chunk_elements, self.split_elements):
+        for layout in self._route_chunks(value.shape):
             pskey, server = self._place(layout.wire_nbytes)
             layout = dataclasses.replace(layout, kind="update", server=server)
             self.layouts[pskey] = (name, layout)

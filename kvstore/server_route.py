@@ -8,9 +8,9 @@ the workers push dense gradients, the servers sum them and run the optimizer onc
 new weights, every key an engine operation that starts as soon as backward has
 written its gradient. A worker process can hold only one native dist_sync store (a
 second one hangs at its start), so this store travels in keys of the hylo store's
-own: each parameter cut into pieces and placed over the servers as a dense hylo layer
-is (kvstore.ps_keys.KeyTable.update_keys), each piece a key of kind 'update' whose
-server runs the optimizer on it (kvstore.server).
+own: each parameter cut as MXNet cuts a dist_sync key and its pieces placed on the
+least-loaded servers (kvstore.ps_keys.KeyTable.update_keys), each piece a key of
+kind 'update' whose server runs the optimizer on it (kvstore.server).
 
 Gluon sees a store with the 'optimizer' capability and drives it as it drives
 dist_sync (``update_on_kvstore``: one pushpull per parameter, gradients in, weights

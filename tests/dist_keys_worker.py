@@ -285,8 +285,8 @@ def route(how):
     net = gluon.nn.HybridSequential()
     net.add(gluon.nn.Conv2D(16, 3, in_channels=4, activation="relu"),
             gluon.nn.Flatten(),
-            gluon.nn.Dense(1024, in_units=16 * 36, activation="relu"),   # 589 824: cut
-            gluon.nn.Dense(10, in_units=1024))
+            gluon.nn.Dense(2048, in_units=16 * 36, activation="relu"),   # 1 179 648: cut
+            gluon.nn.Dense(10, in_units=2048))
     net.initialize(mx.init.Xavier())
     kv = "dist_sync" if how == "dist_sync" else mxhylo.create(
         "dist_sync_hylo", server_update={"servers": True, "auto": "auto"}[how])
@@ -314,6 +314,9 @@ def route(how):
               "store": type(trainer._kvstore).__name__}
     if how != "dist_sync":
         report["route"] = kv.stats()["route"]
+    if report["store"] == "ServerUpdateStore":     # each parameter's pieces' servers
+        report["pieces"] = {str(i): [c.layout.server for c in chunks]
+                            for i, chunks in trainer._kvstore._chunks.items()}
     arrays = {"first/" + k: v for k, v in first.items()}
     if how == "servers":
         trainer.set_learning_rate(0.0)

@@ -364,6 +364,9 @@ def test_servers_route_equals_dist_sync_and_takes_a_new_learning_rate(tmp_path):
         assert report["store"] == "ServerUpdateStore" and report["update_on_kvstore"]
         assert report["route"] == {"route": "servers", "reason": "server_update=True"}
         assert "optimizer runs on the parameter servers" in report["save_states"]
+        # the 1 179 648-element weight is cut over both servers, the rest whole
+        assert sorted(len(p) for p in report["pieces"].values()) == [1] * 5 + [2]
+        assert sorted(max(report["pieces"].values(), key=len)) == [0, 1]
     assert dense_reports[0]["update_on_kvstore"]
     first = {k: v for k, v in arrays[0].items() if k.startswith("first/")}
     assert_same(first, {k: v for k, v in dense[0].items() if k.startswith("first/")})
