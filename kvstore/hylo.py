@@ -70,10 +70,11 @@ GRADIENT_WAIT_BOUND_S = 900.0
 ROUTE_PROBE_REPEATS = 2
 # the probe layers of hylo's route are named so (their own keys, residuals and stats)
 ROUTE_PROBE_PREFIX = "__hylo_route_probe__/"
-# optimizers whose update is elementwise: a parameter cut in pieces over the servers
-# is updated exactly as a whole one (a layer-wise rule such as LARS is not)
+# optimizers whose update is elementwise and per index: a parameter cut in pieces over
+# the servers is updated exactly as a whole one (a layer-wise rule such as LARS is not;
+# nor Nadam, whose momentum schedule advances with every update call)
 ELEMENTWISE_OPTIMIZERS = ("SGD", "NAG", "Signum", "Adam", "AdaGrad", "RMSProp",
-                          "AdaDelta", "Adamax", "Nadam", "Ftrl", "FTML")
+                          "AdaDelta", "Adamax", "Ftrl", "FTML")
 
 
 class Layer:

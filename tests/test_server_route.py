@@ -64,6 +64,7 @@ def test_in_one_process_there_are_no_servers_to_update_on():
 @pytest.mark.parametrize("case, match", [
     ("update_on_kvstore", "update_on_kvstore=False"),
     ("lars", "not one of MXNet's elementwise"),
+    ("nadam", "not one of MXNet's elementwise"),
     ("multi_precision", "multi_precision"),
     ("float16", "float16, not float32"),
 ])
@@ -74,6 +75,8 @@ def test_what_keeps_the_optimizer_on_the_workers(case, match):
         trainer = _trainer(kv, update_on_kvstore=False)
     elif case == "lars":
         trainer = _trainer(kv, mx.optimizer.LARS(learning_rate=0.1))
+    elif case == "nadam":
+        trainer = _trainer(kv, "nadam")
     elif case == "multi_precision":
         trainer = _trainer(kv, params={"learning_rate": 0.1, "multi_precision": True})
     else:
