@@ -66,8 +66,10 @@ DRIFT_WINDOW = 20        # steps of each median compared (ExchangeDrift)
 DEFAULT_COST_DRIFT = 2.0
 # seconds an exchange waits for one more gradient of backward before it fails
 GRADIENT_WAIT_BOUND_S = 900.0
-# timed exchanges of each route when the store chooses one (server_update='auto')
-ROUTE_PROBE_REPEATS = 2
+# timed exchanges of each route when the store chooses one (server_update='auto'), after
+# one untimed: the routes measured here differed by 30% or more at every rate, and each
+# exchange of a large model at 1 Gbit/s costs seconds of the first step
+ROUTE_PROBE_REPEATS = 1
 # the probe layers of hylo's route are named so (their own keys, residuals and stats)
 ROUTE_PROBE_PREFIX = "__hylo_route_probe__/"
 # optimizers whose update is elementwise and per index: a parameter cut in pieces over
