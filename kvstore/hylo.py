@@ -26,11 +26,12 @@ wait for its pushes).
 Gluon's Trainer passes parameter indices as keys, one key per call, and tells the store
 nothing else. kvstore.trainer_hook connects them explicitly: a Trainer whose kvstore is
 a hylo store attaches itself (``attach_trainer``: int keys are named by its parameters)
-and exchanges its whole step in one call (``exchange_step``).
+and exchanges its whole step in one call (``exchange_step``). Where compression would
+not pay, the store gives the Trainer the servers' route instead (``route_for``,
+kvstore.server_route: dist_sync's exchange, the optimizer on the servers).
 """
 import dataclasses
 import os
-import pickle
 import time
 import weakref
 
@@ -538,7 +539,8 @@ class Hylo(KVStoreBase):
                 keys.append(key)
                 values.append(mx.nd.array(rng.normal(0, 0.01, size=shape)
                                           .astype(np.float32)))
-            self.broadcast(keys, values, values)
+            for key, value in zip(keys, values):    # their keys (no broadcast: any
+                self.transport.init(self._layers[key], value)   # values will do)
             times = []
             for _ in range(ROUTE_PROBE_REPEATS + 1):
                 clock = time.perf_counter()

@@ -172,6 +172,15 @@ class KeyTable:
                                             route))
         self.layouts_sent = True
 
+    def send_route(self, route):
+        """Send the servers a kvstore.server.RouteOptimizer, with every layout if a key
+        was made since the last send, else alone (a learning rate that changes every
+        step sends a few hundred bytes, not the table)."""
+        if not self.layouts_sent:
+            self.send_layouts(route=route)
+            return
+        self.kv.set_optimizer(ServerDecoder({}, self.threshold_scale, None, route))
+
     def check_servers_decode(self):
         """Fail fast unless every server runs hylo's decoder.
 

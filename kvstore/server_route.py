@@ -75,7 +75,7 @@ class ServerUpdateStore(KVStoreBase):
             return
         mults = {c.pskey: (float(self._params[i].lr_mult), float(self._params[i].wd_mult))
                  for i, chunks in self._chunks.items() for c in chunks}
-        self._keys.send_layouts(route=RouteOptimizer(pickle.loads(state), mults))
+        self._keys.send_route(RouteOptimizer(pickle.loads(state), mults))
         self._sent = state
 
     def broadcast(self, key, value, out, priority=0):
