@@ -288,8 +288,11 @@ def route(how):
             gluon.nn.Dense(2048, in_units=16 * 36, activation="relu"),   # 1 179 648: cut
             gluon.nn.Dense(10, in_units=2048))
     net.initialize(mx.init.Xavier())
+    # (servers: without the cost model's link timings, keys are placed by load alone,
+    # the same in every run)
     kv = "dist_sync" if how == "dist_sync" else mxhylo.create(
-        "dist_sync_hylo", server_update={"servers": True, "auto": "auto"}[how])
+        "dist_sync_hylo", server_update=True, cost_model=False) if how == "servers" \
+        else mxhylo.create("dist_sync_hylo", server_update="auto")
     trainer = gluon.Trainer(net.collect_params(), "sgd",
                             {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-4},
                             kvstore=kv)
@@ -341,8 +344,9 @@ def drift():
     net = gluon.nn.HybridSequential()
     net.add(gluon.nn.Dense(64, in_units=256, activation="relu"), gluon.nn.Dense(10, in_units=64))
     net.initialize(mx.init.Xavier())
+    # (hylo's own route: the drift checks are its exchanges')
     kv = mxhylo.create("dist_sync_hylo", cost_model=True, warmup_steps=0,
-                       cost_recheck_steps=0)
+                       cost_recheck_steps=0, server_update=False)
     times = iter([0.01] * 6 + [0.1 if kv.rank == 0 else 0.01] * 100)
     real_add = cost_model.ExchangeDrift.add
     cost_model.ExchangeDrift.add = lambda self, seconds: real_add(self, next(times))

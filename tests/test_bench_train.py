@@ -2,6 +2,7 @@
 time-to-accuracy maths, job commands, counter marks, tables and plots; as root, one
 short real run of a tiny model (2 workers, 1 server) and a SIGTERM mid-run."""
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -340,19 +341,26 @@ def test_tiny_real_run(tmp_path):
     out = tmp_path / "train.json"
     report = train.run(_args([
         "-n", "2", "-s", "1", "--models", "cifar_resnet20_v1", "--image-size", "16",
-        "--classes", "10", "--modes", "dist_sync,hylo", "--steps", "1", "--warmup", "1",
-        "--stream-steps", "1", "--timeout", "120", "--json", str(out)]))
+        "--classes", "10", "--modes", "dist_sync,hylo,hylo_workers", "--steps", "1",
+        "--warmup", "1", "--stream-steps", "1", "--timeout", "120",
+        # hylo on the servers' route (its warm-up of 30 steps never comes: the run must
+        # not wait for it), hylo_workers with the update on the workers
+        "--hylo-options", json.dumps({"server_update": True}), "--json", str(out)]))
     assert netns.own_namespaces("mxhcomm%d-" % os.getpid()) == []
     per_mode = report["results"]["cifar_resnet20_v1"]
-    for mode in ("dist_sync", "hylo"):
+    for mode in ("dist_sync", "hylo", "hylo_workers"):
         r = per_mode[mode]
         assert r["status"] == "ok", r.get("log_tail", r["status"])
         assert r["step_s"] > 0 and r["fwd_bwd_s"] > 0 and r["exchange_s"] > 0
         assert r["workers_identical"], r["param_sha256"]
         assert r["wire"]["push_bytes_per_step"] > 0
     assert per_mode["dist_sync"]["update_on_kvstore"] is True      # Gluon's default
-    assert per_mode["hylo"]["update_on_kvstore"] is False
-    hy = per_mode["hylo"]["hylo"]
+    assert per_mode["hylo"]["update_on_kvstore"] is True           # the servers' route
+    assert per_mode["hylo"]["store_warmup_steps_run"] == 1        # (the first step)
+    assert per_mode["hylo"]["wire"]["push_bytes_per_step"] >= \
+        0.9 * per_mode["dist_sync"]["wire"]["push_bytes_per_step"]  # dense pushes
+    assert per_mode["hylo_workers"]["update_on_kvstore"] is False
+    hy = per_mode["hylo_workers"]["hylo"]
     # measured past hylo's dense warm-up, if the store has one: compressed pushes
     assert hy["bytes_pushed_per_step"] < hy["dense_bytes_per_step"]
     assert per_mode["dist_sync"]["store_warmup_steps_run"] == 0

@@ -304,7 +304,10 @@ def run_speed(cfg, index):
     # every worker: the count is deterministic).
     store_warmup = store_warmup_exchanges(kv) if cfg.get("skip_store_warmup", True) else 0
     skipped = 0
-    while store_warmup and exchanges_done(kv) < store_warmup:
+    while store_warmup and exchanges_done(kv) < store_warmup and \
+            trainer._kvstore in (None, kv):
+        # (a hylo store that gave the Trainer the servers' route at its first step
+        # exchanges nothing more itself: no warm-up of its own to wait for)
         full_step()
         skipped += 1
     warm = []
