@@ -25,7 +25,7 @@ import pickle
 import numpy as np
 from mxnet.kvstore import KVStoreBase
 
-from .server import RouteOptimizer
+from .server import RouteOptimizer, _as_list
 
 
 class ServerUpdateStore(KVStoreBase):
@@ -142,7 +142,3 @@ def _as_lists(key, value, out):
     if isinstance(key, (list, tuple)):
         return list(key), [_as_list(v) for v in value], [_as_list(o) for o in out]
     return [key], [_as_list(value)], [_as_list(out)]
-
-
-def _as_list(x):
-    return list(x) if isinstance(x, (list, tuple)) else [x]
