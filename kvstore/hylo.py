@@ -166,9 +166,11 @@ class Hylo(KVStoreBase):
         'auto' chooses at the Trainer's first step, from one step's exchange timed
         both ways on the Trainer's own parameters (every worker at once, rank 0's
         figures; kvstore.cost_model.RouteCosts), and keeps the choice for the run: the
-        servers where hylo would not be at least 10% faster (a fast network). Only
-        with the cost model on, and only where the servers can do the update as the
-        workers would: a Trainer not given update_on_kvstore=False, an elementwise
+        servers where hylo, as this store's options plan it, would not be at least
+        10% faster (a fast network). Options that make the plan explicit (policy,
+        compress_pull=False, ...) are timed as given: their route is measured too.
+        Not with cost_model=False (no measurement: the workers), and only where the
+        servers can do the update as the workers would: a Trainer not given update_on_kvstore=False, an elementwise
         optimizer of MXNet's (ELEMENTWISE_OPTIMIZERS; not LARS), float32 parameters
         without multi_precision. True: the servers always (an error where they cannot);
         False: the workers always. On the servers' route trainer.save_states cannot
@@ -245,6 +247,7 @@ class Hylo(KVStoreBase):
         self._cost_pull = "allgather" if transport == "horovod" else self.compress_pull
         if self.transport.num_workers > 1 or transport == "ps":
             active.set_active(self)
+        self._cost_option = cost_model
         use_model = cost_model is True or (cost_model == "auto" and not explicit
                                            and transport in ("ps", "horovod"))
         self.cost = None            # (the probes themselves are planned without it)
@@ -475,8 +478,8 @@ class Hylo(KVStoreBase):
             if refused:
                 raise ValueError("server_update=True, but " + refused)
             self.route = RouteChoice("servers", "server_update=True")
-        elif refused or self.cost is None:
-            self.route = RouteChoice("workers", refused or "the cost model is off")
+        elif refused or self._cost_option is False:
+            self.route = RouteChoice("workers", refused or "cost_model=False")
         else:
             costs = self._time_routes(trainer)
             self.route = RouteChoice(costs.route(), "measured", costs)

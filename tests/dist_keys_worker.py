@@ -32,7 +32,8 @@
     python tests/dist_keys_worker.py route:HOW OUT  a conv net (one layer cut over the
         servers) trained 3 steps by a gluon.Trainer with momentum SGD, Gluon's default
         update_on_kvstore: HOW=servers (a hylo store, server_update=True), dist_sync
-        (MXNet's own store) or auto (a hylo store, server_update='auto'); then, with
+        (MXNet's own store), auto (a hylo store, server_update='auto') or
+        auto_dense_pull (the same with compress_pull=False, the cost model off); then, with
         servers, the Trainer's learning rate and momentum set to 0 and 2 more steps;
         writes the parameters after the 3 steps (and after the 2) to OUT.npz
 OUT may contain {rank}; the worker writes its results there as JSON.
@@ -249,7 +250,8 @@ def trainer_order(how):
     # (small buckets: the layers after the late one, fused, are not bucketed with the
     # conv's bias, written after it)
     kv = mxhylo.create("dist_sync_hylo", warmup_steps=0, size_threshold=1024, conv_rate=0.1,
-                       overlap=how != "nooverlap", bucket_bytes=4096)
+                       overlap=how != "nooverlap", bucket_bytes=4096,
+                       server_update=False)    # (hylo's exchange is what is tested)
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
                             kvstore=kv)
     short = {p.name: n for n, p in net._collect_params_with_prefix().items()}
@@ -292,7 +294,8 @@ def route(how):
     # the same in every run)
     kv = "dist_sync" if how == "dist_sync" else mxhylo.create(
         "dist_sync_hylo", server_update=True, cost_model=False) if how == "servers" \
-        else mxhylo.create("dist_sync_hylo", server_update="auto")
+        else mxhylo.create("dist_sync_hylo", server_update="auto") if how == "auto" \
+        else mxhylo.create("dist_sync_hylo", server_update="auto", compress_pull=False)
     trainer = gluon.Trainer(net.collect_params(), "sgd",
                             {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-4},
                             kvstore=kv)

@@ -376,9 +376,11 @@ def test_servers_route_equals_dist_sync_and_takes_a_new_learning_rate(tmp_path):
                                       err_msg=key)
 
 
-def test_route_chosen_by_rank0s_measurements(tmp_path):
-    """server_update='auto': every worker takes the route rank 0's figures choose."""
-    reports, arrays = _route_run(tmp_path, "auto")
+@pytest.mark.parametrize("how", ["auto", "auto_dense_pull"])
+def test_route_chosen_by_rank0s_measurements(tmp_path, how):
+    """server_update='auto': every worker takes the route rank 0's figures choose, also
+    where an explicit option (compress_pull=False) turns the cost model off."""
+    reports, arrays = _route_run(tmp_path, how)
     route = reports[0]["route"]
     assert route == reports[1]["route"] and route["reason"] == "measured"
     assert route["dense_s"] > 0 and route["hylo_s"] > 0 and route["update_s"] > 0
