@@ -56,6 +56,9 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 DEFAULT_MARGIN = 0.1          # compress only when predicted >= 10% faster than dense
+# RouteCosts.close: routes whose measured seconds are this near are timed again (a
+# single exchange of resnet50 at 1 Gbit/s measured 2.4-3.1 s over four runs)
+ROUTE_CLOSE_BAND = 0.3
 
 
 @dataclass(frozen=True)
@@ -233,12 +236,14 @@ class RouteCosts:
       layer as the model plans it, compressed where that pays).
 
     The servers' route costs dense_s + update_s / servers, the workers' (hylo's)
-    hylo_s + update_s: every worker runs the whole update.
+    hylo_s + update_s: every worker runs the whole update. rounds: how many timed
+    exchanges of each route dense_s and hylo_s are the medians of.
     """
     dense_s: float
     hylo_s: float
     update_s: float
     servers: int
+    rounds: int = 1
 
     @property
     def servers_s(self):
@@ -253,6 +258,14 @@ class RouteCosts:
         ``margin`` faster than the servers' route, else 'servers': on a tie a dense
         setup is the safer bet."""
         return "workers" if self.workers_s < (1.0 - margin) * self.servers_s else "servers"
+
+    def close(self, band=ROUTE_CLOSE_BAND):
+        """Whether the faster route is within ``band`` of the slower (its seconds at
+        least (1 - band) times the other's): near the margin, where one more timed
+        exchange of each (one of a large model can be 30% off its median at 1 Gbit/s)
+        could change the choice."""
+        low, high = sorted((self.servers_s, self.workers_s))
+        return low >= (1.0 - band) * high
 
 
 @dataclass(frozen=True)

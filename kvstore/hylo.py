@@ -30,6 +30,7 @@ and exchanges its whole step in one call (``exchange_step``). Where compression 
 not pay, the store gives the Trainer the servers' route instead (``route_for``,
 kvstore.server_route: dist_sync's exchange, the optimizer on the servers).
 """
+import contextlib
 import dataclasses
 import os
 import time
@@ -67,10 +68,11 @@ DRIFT_WINDOW = 20        # steps of each median compared (ExchangeDrift)
 DEFAULT_COST_DRIFT = 2.0
 # seconds an exchange waits for one more gradient of backward before it fails
 GRADIENT_WAIT_BOUND_S = 900.0
-# timed exchanges of each route when the store chooses one (server_update='auto'), after
-# one untimed: the routes measured here differed by 30% or more at every rate, and each
-# exchange of a large model at 1 Gbit/s costs seconds of the first step
-ROUTE_PROBE_REPEATS = 1
+# rounds of timed exchanges (one per route, after one untimed) when the store chooses a
+# route (server_update='auto'): a round more while the two routes are close
+# (RouteCosts.close), as one exchange of a large model at 1 Gbit/s can be 30% off its
+# median; each costs the first step seconds there
+ROUTE_MAX_ROUNDS = 3
 # the probe layers of hylo's route are named so (their own keys, residuals and stats)
 ROUTE_PROBE_PREFIX = "__hylo_route_probe__/"
 # optimizers whose update is elementwise and per index: a parameter cut in pieces over
@@ -508,34 +510,63 @@ class Hylo(KVStoreBase):
         return None
 
     def _time_routes(self, trainer):
-        """RouteCosts of ``trainer``'s parameters (collective; rank 0's figures). The
-        probes' keys, residuals and traffic are their own."""
+        """RouteCosts of ``trainer``'s parameters (collective; rank 0's figures): each
+        route's median over rounds of one timed exchange each, a round more while the
+        two are close (RouteCosts.close), up to ROUTE_MAX_ROUNDS. The probes' keys,
+        residuals and traffic are their own."""
         params = [p for p in trainer._params if p.grad_req != "null"]
         shapes = [tuple(p.shape) for p in params]
         traffic, memory, self.traffic, self.memory = \
             self.traffic, self.memory, TrafficStats(), ResidualMemory()
         try:
-            dense_s = self.transport.time_dense(shapes, ROUTE_PROBE_REPEATS)
-            hylo_s = self._time_hylo([p.name for p in params], shapes, trainer)
             update_s = time_update(trainer._optimizer, sum(int(np.prod(s)) for s in shapes))
+            dense, hylo = [], []
+            with self._hylo_probe([p.name for p in params], shapes, trainer) as time_hylo:
+                while True:
+                    dense.append(self.transport.time_dense(shapes, warmup=not dense))
+                    hylo.append(time_hylo(warmup=not hylo))
+                    figures = self.transport.share_from_rank0(
+                        [np.median(dense), np.median(hylo), update_s])
+                    costs = RouteCosts(*[float(v) for v in figures],
+                                       servers=self.transport.num_servers,
+                                       rounds=len(dense))
+                    if len(dense) >= ROUTE_MAX_ROUNDS or not costs.close():
+                        return costs
         finally:
             self.traffic, self.memory = traffic, memory
-        dense_s, hylo_s, update_s = [float(v) for v in self.transport.share_from_rank0(
-            [dense_s, hylo_s, update_s])]
-        return RouteCosts(dense_s, hylo_s, update_s, self.transport.num_servers)
 
-    def _time_hylo(self, names, shapes, trainer):
-        """Median seconds of hylo's exchange of random gradients of ``shapes``, each
-        layer planned as layer ``names[i]`` will be (compressed past its warm-up, with
-        momentum correction if the Trainer's optimizer asks for it), in probe layers
-        of their own."""
+    @contextlib.contextmanager
+    def _hylo_probe(self, names, shapes, trainer):
+        """Probe layers of their own for random gradients of ``shapes``, each planned as
+        layer ``names[i]`` will be (compressed past its warm-up, with momentum
+        correction if the Trainer's optimizer asks for it); yields a function that
+        returns the seconds of one hylo exchange of them (after one untimed with
+        warmup=True)."""
         rng = np.random.RandomState(0)
         keys, values = [], []
-        self._momentum = self._momentum_context(trainer)
+        momentum = self._momentum_context(trainer)
+
+        def exchange():
+            self._momentum = momentum
+            try:
+                clock = time.perf_counter()
+                self.pushpull(keys, values)     # (in place: one copy of the model)
+                for v in values:
+                    v.wait_to_read()
+                return time.perf_counter() - clock
+            finally:
+                self._momentum = None
+
+        def timed(warmup):
+            if warmup:
+                exchange()
+            return exchange()
         try:
             for name, shape in zip(names, shapes):
+                self._momentum = momentum           # (_plan prices momentum)
                 plan = dataclasses.replace(self._plan(name, shape),
                                            name=ROUTE_PROBE_PREFIX + name)
+                self._momentum = None
                 key = plan.name
                 self._layers[key] = Layer(key, plan, self.compressors[plan.strategy])
                 self.memory.set_scalar(plan.name, "warmup_done", self.warmup_steps)
@@ -544,18 +575,11 @@ class Hylo(KVStoreBase):
                                           .astype(np.float32)))
             for key, value in zip(keys, values):    # their keys (no broadcast: any
                 self.transport.init(self._layers[key], value)   # values will do)
-            times = []
-            for _ in range(ROUTE_PROBE_REPEATS + 1):
-                clock = time.perf_counter()
-                self.pushpull(keys, values)     # (in place: one copy of the model)
-                for v in values:
-                    v.wait_to_read()
-                times.append(time.perf_counter() - clock)
+            yield timed
         finally:
             self._momentum = None
             for key in keys:
                 del self._layers[key]
-        return float(np.median(times[1:]))
 
     def exchange_step(self, trainer):
         """Exchange every gradient of ``trainer``'s step in one call (what the Trainer's

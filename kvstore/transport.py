@@ -102,10 +102,10 @@ class Transport(abc.ABC):
         choose between (in-process; Horovod's ring)."""
         return None
 
-    def time_dense(self, shapes, repeats):
-        """Median seconds, after a warm-up, over ``repeats`` dense exchanges of float32
-        arrays of ``shapes`` in the keys the servers' route would give them (every
-        worker at once: collective); None where there are no servers."""
+    def time_dense(self, shapes, warmup=True):
+        """Seconds of one dense exchange of float32 arrays of ``shapes`` (after an
+        untimed one if ``warmup``) in the keys the servers' route would give them
+        (every worker at once: collective); None where there are no servers."""
         return None
 
     def server_route(self, params):

@@ -204,26 +204,26 @@ class PSTransport(Transport):
 
     # -- the servers' route (kvstore.server_route) --------------------------------------
 
-    def time_dense(self, shapes, repeats):
+    def time_dense(self, shapes, warmup=True):
         keys = self.keys.dense_probe_keys(shapes)
-        return self._time_keys(keys, [self.keys.layouts[k][1].size for k in keys], repeats,
-                               "the servers' route probe")
+        return self._time_keys(keys, [self.keys.layouts[k][1].size for k in keys], 1,
+                               "the servers' route probe", warmup=warmup)
 
     def server_route(self, params):
         from .server_route import ServerUpdateStore
         return ServerUpdateStore(self.keys, params)
 
-    def _time_keys(self, keys, sizes, repeats, what=None):
-        """Median seconds of one exchange (push, then pull, of every key) after a
-        warm-up, over ``repeats``; ``what``: the probe, for the watchdog's message
-        (default: the link probe of the first key's server)."""
+    def _time_keys(self, keys, sizes, repeats, what=None, warmup=True):
+        """Median seconds of one exchange (push, then pull, of every key) over
+        ``repeats``, after an untimed one if ``warmup``; ``what``: the probe, for the
+        watchdog's message (default: the link probe of the first key's server)."""
         values = [mx.nd.zeros((n,)) for n in sizes]
         outs = [mx.nd.zeros((n,)) for n in sizes]
         if what is None:
             what = ("the cost model's probe of server %d's link"
                     % self.keys.layouts[keys[0]][1].server)
         times = []
-        for _ in range(repeats + 1):
+        for _ in range(repeats + bool(warmup)):
             # bounded like an exchange: a server that never answers ends the worker
             self.watchdog.begin(self._exchanges)
             self.watchdog.waiting(what)
@@ -238,7 +238,7 @@ class PSTransport(Transport):
                 out.wait_to_read()
             times.append(time.perf_counter() - clock)
             self.watchdog.end()
-        return float(np.median(times[1:]))
+        return float(np.median(times[-repeats:]))
 
     @property
     def split_elements(self):

@@ -2,6 +2,8 @@
 and the servers' side of it (kvstore.server), in one process. Through real servers:
 tests/test_dist.py (equal to dist_sync bitwise, a new learning rate reaching the
 servers, every worker taking rank 0's choice)."""
+import contextlib
+
 import mxnet as mx
 import numpy as np
 import pytest
@@ -26,10 +28,53 @@ def test_route_rule_weighs_the_update_where_it_runs():
     # a tie goes to the servers (the dense setup)
     assert RouteCosts(1.0, 1.0, 0.0, 2).route() == "servers"
     assert RouteCosts(1.0, 0.5, 0.0, 2).route(margin=0.6) == "servers"
+    # close: the faster within 30% of the slower (1.2 vs 0.9), so measured again
+    assert costs.close() and not RouteCosts(2.5, 0.9, 0.15, 2).close()
     choice = RouteChoice("workers", "measured", costs).as_dict()
     assert choice["route"] == "workers" and choice["servers_s"] == pytest.approx(1.2)
     assert RouteChoice("workers", "server_update=False").as_dict() == {
         "route": "workers", "reason": "server_update=False"}
+
+
+def _timed_routes(dense, hylo):
+    """RouteCosts the store's _time_routes makes when its timed exchanges give, round
+    by round, ``dense`` and ``hylo`` seconds (a stand-in transport of 2 servers), and
+    the warm-up flags each route's timer was called with."""
+    kv = mxhylo.create("hylo")
+    trainer = _trainer(kv)
+    dense, hylo, warmups = iter(dense), iter(hylo), {"dense": [], "hylo": []}
+
+    def time_dense(shapes, warmup=True):
+        warmups["dense"].append(warmup)
+        return next(dense)
+
+    @contextlib.contextmanager
+    def probe(names, shapes, trainer):
+        def timed(warmup):
+            warmups["hylo"].append(warmup)
+            return next(hylo)
+        yield timed
+    kv.transport.time_dense, kv._hylo_probe = time_dense, probe
+    kv.transport.num_servers = 2
+    return kv._time_routes(trainer), warmups
+
+
+def test_routes_are_timed_again_while_close():
+    # far apart: one round
+    costs, warmups = _timed_routes([2.5], [0.9])
+    assert costs.rounds == 1
+    assert (costs.dense_s, costs.hylo_s) == pytest.approx((2.5, 0.9))   # (float32)
+    assert warmups == {"dense": [True], "hylo": [True]}
+    # close (3.1 vs 2.5): a second round, still close: a third, the medians decide
+    costs, warmups = _timed_routes([3.1, 2.4, 2.3, 9.9], [2.5, 2.6, 2.4, 9.9])
+    assert costs.rounds == 3 and warmups == {"dense": [True, False, False],
+                                             "hylo": [True, False, False]}
+    assert (costs.dense_s, costs.hylo_s) == pytest.approx((2.4, 2.5))
+    assert costs.route() == "servers"      # the first round alone said 'workers'
+    assert RouteCosts(3.1, 2.5, costs.update_s, 2).route() == "workers"
+    # close, then apart: two rounds
+    costs, _ = _timed_routes([3.0, 9.0, 9.0], [2.5, 1.0, 1.0])
+    assert costs.rounds == 2 and costs.route() == "workers"
 
 
 # -- what refuses the servers' route ------------------------------------------------------
