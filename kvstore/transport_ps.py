@@ -214,7 +214,7 @@ class PSTransport(Transport):
         return ServerUpdateStore(self.keys, params)
 
     def _time_keys(self, keys, sizes, repeats, what=None, warmup=True):
-        """Median seconds of one exchange (each key pushed, then pulled) over
+        """Median seconds of one exchange (push, then pull, of every key) over
         ``repeats``, after an untimed one if ``warmup``; ``what``: the probe, for the
         watchdog's message (default: the link probe of the first key's server)."""
         values = [mx.nd.zeros((n,)) for n in sizes]
@@ -230,13 +230,9 @@ class PSTransport(Transport):
             for key in keys:
                 self.watchdog.owe(key, "probe", self.keys.layouts[key][1].server)
             clock = time.perf_counter()
-            # each pull right behind its push, as exchanges issue them: a worker's
-            # messages to a server travel in order, so pulls issued after every push
-            # would wait for all of them and a server could not send back while it
-            # still receives (at 1 Gbit/s both ways that timed resnet50's dense
-            # exchange at 3.0-3.3 s against dist_sync's 2.1 s)
-            for key, value, out in zip(keys, values, outs):
+            for key, value in zip(keys, values):
                 self.kv.push(key, value)
+            for key, out in zip(keys, outs):
                 self.kv.pull(key, out=out)
             for out in outs:
                 out.wait_to_read()
