@@ -29,11 +29,13 @@ from .wire import (BIGARRAY_BOUND, DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, RO
 
 DEFAULT_BUCKET_BYTES = 2 << 20     # = DEFAULT_CHUNK_ELEMENTS float32 values
 MESSAGE_PROBE_KEYS = 8             # keys of the exchange that times one more message
-# Every dense key (a dense chunk, a bucket, the probes of the links and of the servers'
-# route) travels as one MXNet pushpull, as Gluon drives dist_sync and the servers' route:
-# one request per key, answered with the sum once every worker's push is in. Timed as
-# pushes followed by pulls, resnet50's dense pieces took 2.8-3.3 s at 1 Gbit/s (4
-# workers, 2 servers) against 2.4 s as pushpulls and dist_sync's own 2.0-2.2 s.
+# Keys whose pushed array is the store's own travel as one MXNet pushpull, as Gluon
+# drives dist_sync and the servers' route (buckets, the probes of the links and of the
+# servers' route, kvstore.ps_keys's broadcast): timed as pushes followed by pulls,
+# resnet50's dense pieces took 2.8-3.3 s at 1 Gbit/s (4 workers, 2 servers) against
+# 2.4 s as pushpulls and dist_sync's own 2.0-2.2 s. A layer's own dense chunks are
+# pushed and pulled apart: on the CPU MXNet's pushpull leaves the sum in the array it
+# pushed, and a chunk's pushed array can be state (a momentum-corrected velocity).
 
 
 @dataclass
@@ -179,7 +181,7 @@ class PSTransport(Transport):
         self.keys.init(layer, value)
 
     def broadcast(self, layer, value, outs):
-        self.kv.pull(self.keys.broadcast_key(layer), out=outs)
+        self.keys.broadcast(value, outs)
 
     def prepare(self, layers):
         # the exchange's buckets, fixed by the order given (the same on every worker)
@@ -310,16 +312,14 @@ class PSTransport(Transport):
         for c in r.chunks:
             self.watchdog.owe(c.pskey, r.layer.plan.name, c.layout.server)
         traffic.pushed_at = time.perf_counter()
-        flat = r.out.reshape((-1,))
         for c, (value, nbytes) in zip(r.chunks, self._encode_pushes(r.chunks, r.payload)):
-            if c.layout.kind == "dense":    # (one pushpull: see the top)
-                self.kv.pushpull(c.pskey, value, out=flat[c.layout.lo:c.layout.hi])
-            else:
-                self.kv.push(c.pskey, value)
+            self.kv.push(c.pskey, value)
             traffic.count(c.layout.server, pushed=nbytes, messages=1)
+        flat = r.out.reshape((-1,))
         for c in r.chunks:
             chunk = c.layout
             if chunk.kind == "dense":
+                self.kv.pull(c.pskey, out=flat[chunk.lo:chunk.hi])
                 nbytes = 4 * chunk.size
             else:
                 buf, row_ids = self.keys.pull_buffers[c.pskey]
@@ -335,9 +335,11 @@ class PSTransport(Transport):
             self.watchdog.owe(b.pskey, routed[m.item].layer.plan.name, b.layout.server)
             traffic[m.item].pushed_at = now
         outs = [routed[m.item].out.reshape((-1,)) for m in b.members]
-        # (one pushpull: see the top)
-        self.kv.pushpull(b.pskey, b.send, out=outs[0] if b.recv is None else b.recv)
-        if b.recv is not None:
+        if b.recv is None:      # a group of one: it pushes the layer's own array
+            self.kv.push(b.pskey, b.send)
+            self.kv.pull(b.pskey, out=outs[0])
+        else:
+            self.kv.pushpull(b.pskey, b.send, out=b.recv)    # (a fresh concat: see the top)
             # one engine operation writes every member's aggregate (a Python slice
             # assignment per member cost more CPU than the bucket saves on the wire)
             mx.nd._internal._split_v2(b.recv, indices=tuple(m.offset for m in b.members),

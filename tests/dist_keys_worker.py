@@ -36,6 +36,8 @@
         auto_dense_pull (the same with compress_pull=False, the cost model off); then, with
         servers, the Trainer's learning rate and momentum set to 0 and 2 more steps;
         writes the parameters after the 3 steps (and after the 2) to OUT.npz
+    python tests/dist_keys_worker.py broadcast OUT  parameters broadcast in pieces through
+        reused keys (several pieces, float16, in place); OUT.npz: what was sent and got
 OUT may contain {rank}; the worker writes its results there as JSON.
 """
 import json
@@ -417,6 +419,34 @@ def recheck():
                "decisions": {n: p["strategy"] for n, p in stats["cost_model"]["layers"].items()}},
               open(out.format(rank=kv.rank), "w"))
 
+
+def broadcast():
+    """Parameters of every worker's own random values (one of several broadcast pieces,
+    a float16 one, one broadcast in place) broadcast in turn, the keys reused; the
+    results and rank 0's values go to OUT.npz."""
+    kv = mxhylo.create("dist_sync_hylo", cost_model=False, chunk_elements=4096)
+    rng = np.random.RandomState(kv.rank)
+    shapes = [(3,), (10000,), (70, 130), (5, 7), (4096,), (9000,)]
+    arrays = {}
+    for i, shape in enumerate(shapes):
+        dtype = np.float16 if i == 3 else np.float32
+        value = mx.nd.array(rng.normal(size=shape), dtype=dtype)
+        value[0] = -0.0 if i == 4 else value[0]
+        arrays["sent%d" % i] = value.asnumpy()
+        if i == 5:                      # in place, as Gluon's init broadcasts
+            kv.broadcast(i, value, value)
+            arrays["got%d" % i] = value.asnumpy()
+        else:
+            outs = [mx.nd.zeros(shape, dtype=dtype) for _ in range(2)]
+            kv.broadcast(i, value, outs)
+            arrays["got%d" % i] = outs[0].asnumpy()
+            arrays["gotb%d" % i] = outs[1].asnumpy()
+    np.savez(out.format(rank=kv.rank), **arrays)
+
+
+if mode == "broadcast":
+    broadcast()
+    sys.exit(0)
 
 if mode == "recheck":
     recheck()
