@@ -31,7 +31,7 @@ DEFAULT_BUCKET_BYTES = 2 << 20     # = DEFAULT_CHUNK_ELEMENTS float32 values
 MESSAGE_PROBE_KEYS = 8             # keys of the exchange that times one more message
 # Keys whose pushed array is the store's own travel as one MXNet pushpull, as Gluon
 # drives dist_sync and the servers' route (buckets, the probes of the links and of the
-# servers' route, kvstore.ps_keys's broadcast): timed as pushes followed by pulls,
+# servers' route): timed as pushes followed by pulls,
 # resnet50's dense pieces took 2.8-3.3 s at 1 Gbit/s (4 workers, 2 servers) against
 # 2.4 s as pushpulls and dist_sync's own 2.0-2.2 s. A layer's own dense chunks are
 # pushed and pulled apart: on the CPU MXNet's pushpull leaves the sum in the array it
@@ -181,7 +181,7 @@ class PSTransport(Transport):
         self.keys.init(layer, value)
 
     def broadcast(self, layer, value, outs):
-        self.keys.broadcast(value, outs)
+        self.kv.pull(self.keys.broadcast_key(layer), out=outs)
 
     def prepare(self, layers):
         # the exchange's buckets, fixed by the order given (the same on every worker)

@@ -36,8 +36,8 @@
         auto_dense_pull (the same with compress_pull=False, the cost model off); then, with
         servers, the Trainer's learning rate and momentum set to 0 and 2 more steps;
         writes the parameters after the 3 steps (and after the 2) to OUT.npz
-    python tests/dist_keys_worker.py broadcast OUT  parameters broadcast in pieces through
-        reused keys (several pieces, float16, in place); OUT.npz: what was sent and got
+    python tests/dist_keys_worker.py broadcast OUT  parameters broadcast from rank 0
+        (large and small, float16, in place); OUT.npz: what was sent and got
 OUT may contain {rank}; the worker writes its results there as JSON.
 """
 import json
@@ -421,9 +421,8 @@ def recheck():
 
 
 def broadcast():
-    """Parameters of every worker's own random values (one of several broadcast pieces,
-    a float16 one, one broadcast in place) broadcast in turn, the keys reused; the
-    results and rank 0's values go to OUT.npz."""
+    """Parameters of every worker's own random values (large and small, a float16 one,
+    one broadcast in place) broadcast in turn; what each sent and got to OUT.npz."""
     kv = mxhylo.create("dist_sync_hylo", cost_model=False, chunk_elements=4096)
     rng = np.random.RandomState(kv.rank)
     shapes = [(3,), (10000,), (70, 130), (5, 7), (4096,), (9000,)]

@@ -114,11 +114,8 @@ def launch_keys_worker(tmp_path, mode, *launch_args, timeout=120):
 
 
 def test_broadcast_gives_every_worker_rank0s_values_bitwise(tmp_path):
-    """Parameters go from rank 0 in pieces through a few reused keys (no key of the
-    parameter's size, whose pull buffer MXNet would keep): every worker gets rank 0's
-    values bitwise (a -0.0 as 0.0), several pieces, float16, in place, and keys
-    reused (a pushpull leaves its sum in what it pushed: the others' zeros are
-    written again each time)."""
+    """Every worker gets rank 0's values bitwise: large and small parameters, float16,
+    in place, one after another."""
     proc, out, _ = launch_keys_worker(tmp_path, "broadcast")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = [dict(np.load(out.format(rank=r) + ".npz")) for r in range(2)]
@@ -130,7 +127,7 @@ def test_broadcast_gives_every_worker_rank0s_values_bitwise(tmp_path):
                 if name in got[r]:
                     assert got[r][name].dtype == want.dtype
                     np.testing.assert_array_equal(got[r][name], want, err_msg=name)
-    assert np.signbit(got[0]["sent4"][0]) and got[1]["got4"][0] == 0.0
+    assert np.signbit(got[0]["sent4"][0]) and got[1]["got4"][0] == 0.0   # (-0.0 == 0.0)
 
 
 def test_small_tensors_travel_fused(tmp_path):
