@@ -172,9 +172,10 @@ class Hylo(KVStoreBase):
         10% faster (a fast network). Options that make the plan explicit (policy,
         compress_pull=False, ...) are timed as given: their route is measured too.
         Not with cost_model=False (no measurement: the workers), and only where the
-        servers can do the update as the workers would: a Trainer not given update_on_kvstore=False, an elementwise
-        optimizer of MXNet's (ELEMENTWISE_OPTIMIZERS; not LARS), float32 parameters
-        without multi_precision. True: the servers always (an error where they cannot);
+        servers can do the update as the workers would: a Trainer not given
+        update_on_kvstore=False, an elementwise optimizer of MXNet's
+        (ELEMENTWISE_OPTIMIZERS; not LARS), float32 parameters without
+        multi_precision. True: the servers always (an error where they cannot);
         False: the workers always. On the servers' route trainer.save_states cannot
         save the optimizer's state (it lives on the servers, as with dist_sync);
         stats()['route'] says which route was taken and why.

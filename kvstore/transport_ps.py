@@ -29,13 +29,13 @@ from .wire import (BIGARRAY_BOUND, DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, RO
 
 DEFAULT_BUCKET_BYTES = 2 << 20     # = DEFAULT_CHUNK_ELEMENTS float32 values
 MESSAGE_PROBE_KEYS = 8             # keys of the exchange that times one more message
-# Keys whose pushed array is the store's own travel as one MXNet pushpull, as Gluon
-# drives dist_sync and the servers' route (buckets, the probes of the links and of the
-# servers' route): timed as pushes followed by pulls,
-# resnet50's dense pieces took 2.8-3.3 s at 1 Gbit/s (4 workers, 2 servers) against
-# 2.4 s as pushpulls and dist_sync's own 2.0-2.2 s. A layer's own dense chunks are
-# pushed and pulled apart: on the CPU MXNet's pushpull leaves the sum in the array it
-# pushed, and a chunk's pushed array can be state (a momentum-corrected velocity).
+# Keys whose pushed array is the store's own (fused buckets, the probes of the links and
+# of the servers' route) travel as one MXNet pushpull, as Gluon drives dist_sync and the
+# servers' route: timed as pushes followed by pulls, resnet50's dense pieces took
+# 2.8-3.3 s at 1 Gbit/s (4 workers, 2 servers) against 2.0-2.4 s as pushpulls and
+# dist_sync's own 2.0-2.2 s. A layer's own keys are pushed and pulled apart: on the CPU
+# MXNet's pushpull leaves the pulled value in the array it pushed, and a layer's pushed
+# array can be state (a momentum-corrected velocity).
 
 
 @dataclass
