@@ -563,17 +563,17 @@ class Hylo(KVStoreBase):
                 exchange()
             return exchange()
         try:
+            self._momentum = momentum               # (_plan prices momentum)
             for name, shape in zip(names, shapes):
-                self._momentum = momentum           # (_plan prices momentum)
                 plan = dataclasses.replace(self._plan(name, shape),
                                            name=ROUTE_PROBE_PREFIX + name)
-                self._momentum = None
                 key = plan.name
                 self._layers[key] = Layer(key, plan, self.compressors[plan.strategy])
                 self.memory.set_scalar(plan.name, "warmup_done", self.warmup_steps)
                 keys.append(key)
                 values.append(mx.nd.array(rng.normal(0, 0.01, size=shape)
                                           .astype(np.float32)))
+            self._momentum = None
             for key, value in zip(keys, values):    # their keys (no broadcast: any
                 self.transport.init(self._layers[key], value)   # values will do)
             yield timed
