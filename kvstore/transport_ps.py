@@ -33,9 +33,12 @@ MESSAGE_PROBE_KEYS = 8             # keys of the exchange that times one more me
 # of the servers' route) travel as one MXNet pushpull, as Gluon drives dist_sync and the
 # servers' route: timed as pushes followed by pulls, resnet50's dense pieces took
 # 2.8-3.3 s at 1 Gbit/s (4 workers, 2 servers) against 2.0-2.4 s as pushpulls and
-# dist_sync's own 2.0-2.2 s. A layer's own keys are pushed and pulled apart: on the CPU
-# MXNet's pushpull leaves the pulled value in the array it pushed, and a layer's pushed
-# array can be state (a momentum-corrected velocity).
+# dist_sync's own 2.0-2.2 s. A layer's own dense keys travel as pushpulls too where
+# the array pushed is the one the aggregate goes to (a gradient sent dense: warm-up
+# steps, a layer planned uncompressed), as Gluon's dist_sync pushpulls each gradient
+# into itself; else they are pushed and pulled apart: on the CPU MXNet's pushpull
+# leaves the pulled value in the array it pushed, and a pushed array can be state (a
+# momentum-corrected velocity) or the caller's input.
 
 
 @dataclass
@@ -181,7 +184,7 @@ class PSTransport(Transport):
         self.keys.init(layer, value)
 
     def broadcast(self, layer, value, outs):
-        self.kv.pull(self.keys.broadcast_key(layer), out=outs)
+        self.keys.broadcast(value, outs)
 
     def prepare(self, layers):
         # the exchange's buckets, fixed by the order given (the same on every worker)
@@ -312,7 +315,13 @@ class PSTransport(Transport):
         for c in r.chunks:
             self.watchdog.owe(c.pskey, r.layer.plan.name, c.layout.server)
         traffic.pushed_at = time.perf_counter()
-        for c, (value, nbytes) in zip(r.chunks, self._encode_pushes(r.chunks, r.payload)):
+        pushes = self._encode_pushes(r.chunks, r.payload)
+        if r.payload.arrays[0] is r.out and self._codecs[r.payload.strategy].wire == "dense":
+            for c, (value, nbytes) in zip(r.chunks, pushes):     # the sum lands in place
+                self.kv.pushpull(c.pskey, value, out=value)
+                traffic.count(c.layout.server, pushed=nbytes, pulled=nbytes, messages=1)
+            return
+        for c, (value, nbytes) in zip(r.chunks, pushes):
             self.kv.push(c.pskey, value)
             traffic.count(c.layout.server, pushed=nbytes, messages=1)
         flat = r.out.reshape((-1,))

@@ -261,6 +261,12 @@ def _with_pull(chunk, pull, pull_rate, gather_k=0):
     compressed = dataclasses.replace(chunk, pull=pull, pull_k=pull_k)
     if compressed.pull_rows >= chunk.dense_rows:
         return chunk
+    if pull == "gather" and chunk.kind == "slots":
+        # the key holds the W slots and nothing else (no dense aggregate, no server
+        # state): a key of the dense rows would keep a dense copy of the layer on its
+        # server (rows are fixed by the key's initial value) and, until the key's first
+        # push, on rank 0 (MXNet's store keeps the value it initialised a key with)
+        return dataclasses.replace(compressed, rows=compressed.pull_rows)
     if not compressed.stateful_pull:
         return compressed
     # the key also carries the server's state when a checkpoint asks for it

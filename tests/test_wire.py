@@ -177,6 +177,21 @@ def test_gather_conv_layer_is_one_key_whatever_its_size():
     assert len(plan_chunks("conv_topk", shape, 4, 2, pull="none")) >= 4
 
 
+@pytest.mark.parametrize("workers", [1, 2, 4, 7])
+def test_gather_slots_key_holds_the_slots_only(workers):
+    """A 'gather' slots key is as tall as the W slots it carries, not as the layer's
+    dense rows (a key's rows are fixed by its initial value: a dense-tall key would keep
+    a dense copy of the layer on its server); the pulls that need more rows keep them."""
+    shape = (4096, 4096)
+    for c in plan_chunks("fc_2bit", shape, workers, 2, pull="gather"):
+        assert c.pull == "gather"
+        assert c.rows == c.pull_rows == workers * c.slot_rows < c.dense_rows
+        assert c.key_shape == (c.rows, c.cols)
+    for pull in ("none", "fc_2bit"):
+        for c in plan_chunks("fc_2bit", shape, workers, 2, pull=pull):
+            assert c.rows >= c.dense_rows
+
+
 def test_the_store_is_made_with_the_split_lifted_and_the_environment_restored(monkeypatch):
     import os
     from mxhylo.kvstore import transport_ps
