@@ -5,9 +5,7 @@ Each layer becomes one or more parameter-server keys ("chunks", kvstore.wire): l
 layers are cut into chunks of at most ``chunk_elements`` and every chunk is placed on
 the server that carries the least so far, so every server gets a fair share. Small
 uncompressed layers exchanged together travel fused in buckets, one key each.
-Parameters are broadcast from rank 0 in pieces through a few dense keys kept for it
-(BroadcastKey): MXNet's worker keeps a pull buffer of every key it ever pulled, so a
-key of the parameter's size would keep a copy of the whole model. Every key is
+Parameters are broadcast from rank 0 through a dense key of their own. Every key is
 made between exchanges (kv.init is collective), and the servers get the new layouts
 (a pickled ServerDecoder, kvstore.server) before any push of the new keys.
 """
@@ -29,19 +27,6 @@ MXNET_BIGARRAY_BOUND = 1000 * 1000
 # a bucket gathers small layers written within this fraction of backward (in gradient
 # elements): KeyTable.bucket_groups
 BUCKET_SPANS = 8
-# broadcast keys per server (per dtype), each of chunk_elements: pieces in flight at once
-BROADCAST_KEYS_PER_SERVER = 2
-
-
-@dataclass
-class BroadcastKey:
-    """A dense key a parameter's pieces are broadcast through, one after another: rank 0
-    pushes the piece (``send``, zero-padded), every other worker pushes zeros, the
-    server's sum is rank 0's values (x + 0 is x), and every worker pulls it into
-    ``recv``. MXNet orders the reuse of ``send`` and ``recv`` (engine dependencies)."""
-    pskey: int
-    send: mx.nd.NDArray
-    recv: mx.nd.NDArray
 
 
 @dataclass(frozen=True)
@@ -88,7 +73,7 @@ class KeyTable:
         self.bucket_keys = {}     # sequence of hylo keys -> BucketKey
         self.pull_buffers = {}    # ps key -> (row_sparse pull buffer, row ids)
         self.layer_shapes = {}    # layer name -> shape
-        self._broadcast_keys = {}     # dtype name -> [BroadcastKey]
+        self._bcast = {}          # hylo key -> ps key of the parameter
         self._next_key = 0
         self._load = [0] * num_servers
         self._weights = None      # seconds per byte per server (use_links), None: equal
@@ -261,10 +246,11 @@ class KeyTable:
 
     def init(self, layer, value):
         """Create the layer's keys on the servers (every worker calls this, in order)."""
-        if layer.key in self.chunks:
+        if layer.key in self._bcast:
             return
         self.check_same_model(layer)
-        keys, values = [], []
+        bkey, _ = self._place(0)      # used once, at init: not part of the steady load
+        keys, values = [bkey], [value]
         warm = []
         if self.warmup and layer.plan.strategy != "none":
             # dense keys for the warm-up steps (not counted in the steady load)
@@ -280,6 +266,7 @@ class KeyTable:
                 values.append(mx.nd.zeros(chunk.key_shape, ctx=mx.cpu()))
         chunks = self._new_chunks(layer, keys, values)
         self.kv.init(keys, values)      # one barrier for the layer
+        self._bcast[layer.key] = bkey
         self.chunks[layer.key] = chunks
         if warm:
             self.warm_chunks[layer.key] = warm
@@ -354,47 +341,9 @@ class KeyTable:
         self.chunks[old.key] = chunks
         self.layouts_sent = False
 
-    def broadcast(self, value, outs):
-        """Rank 0's ``value`` (an NDArray) into every array of ``outs`` (collective: every
-        worker calls this for the same parameters in the same order), in pieces of at
-        most chunk_elements through BroadcastKeys; bitwise rank 0's values, but for a
-        -0.0, which arrives as 0.0. Costs every worker one push of the parameter."""
-        keys = self._broadcast_pool(np.dtype(value.dtype))
-        n = self.chunk_elements
-        flat = value.reshape((-1,))
-        flat_outs = [o.reshape((-1,)) for o in outs]
-        for i, lo in enumerate(range(0, flat.size, n)):
-            hi = min(lo + n, flat.size)
-            b = keys[i % len(keys)]
-            # (written every time: MXNet's pushpull leaves the sum in what it pushed)
-            if self.rank == 0:
-                b.send[:hi - lo] = flat[lo:hi]
-                if hi - lo < n:
-                    b.send[hi - lo:] = 0
-            else:
-                b.send[:] = 0
-            self.kv.pushpull(b.pskey, b.send, out=b.recv)
-            for o in flat_outs:
-                o[lo:hi] = b.recv[:hi - lo]
-
-    def _broadcast_pool(self, dtype):
-        """The BroadcastKeys of ``dtype``: made at the first broadcast of that dtype
-        (collective), not part of the steady load."""
-        keys = self._broadcast_keys.get(dtype.name)
-        if keys is None:
-            n = self.chunk_elements
-            keys = []
-            for i in range(BROADCAST_KEYS_PER_SERVER * self.num_servers):
-                server = i % self.num_servers
-                pskey = self._key_on(server)
-                self.layouts[pskey] = ("broadcast", ChunkLayout("dense", 0, n, n,
-                                                                server=server))
-                keys.append(BroadcastKey(pskey, mx.nd.zeros((n,), dtype=dtype),
-                                         mx.nd.zeros((n,), dtype=dtype)))
-            self.kv.init([b.pskey for b in keys], [b.recv for b in keys])
-            self.send_layouts()
-            self._broadcast_keys[dtype.name] = keys
-        return keys
+    def broadcast_key(self, layer):
+        """The dense key rank 0's value of ``layer`` was initialised in."""
+        return self._bcast[layer.key]
 
     def route(self, layer, payload):
         """The [Chunk] a payload travels in: the layer's own keys, or for a compressed

@@ -184,7 +184,7 @@ class PSTransport(Transport):
         self.keys.init(layer, value)
 
     def broadcast(self, layer, value, outs):
-        self.keys.broadcast(value, outs)
+        self.kv.pull(self.keys.broadcast_key(layer), out=outs)
 
     def prepare(self, layers):
         # the exchange's buckets, fixed by the order given (the same on every worker)

@@ -38,12 +38,9 @@
         writes the parameters after the 3 steps (and after the 2) to OUT.npz
     python tests/dist_keys_worker.py broadcast OUT  parameters broadcast from rank 0
         (large and small, float16, in place); OUT.npz: what was sent and got
-    python tests/dist_keys_worker.py broadcast_memory OUT  a 256 MB parameter broadcast;
-        OUT.npz: what was sent and got, and the worker's RSS growth
 OUT may contain {rank}; the worker writes its results there as JSON.
 """
 import json
-import os
 import sys
 import time
 
@@ -446,32 +443,8 @@ def broadcast():
     np.savez(out.format(rank=kv.rank), **arrays)
 
 
-def broadcast_memory():
-    """A 256 MB parameter broadcast in place (the store's default pieces): what it sent,
-    got, and what this process's RSS grew by."""
-    kv = mxhylo.create("dist_sync_hylo", cost_model=False)
-    big = mx.nd.array(np.random.RandomState(kv.rank).normal(size=(64 << 20,)))
-    arrays = {"sent": big.asnumpy()}
-    mx.nd.waitall()
-    before = _rss_bytes()
-    kv.broadcast(0, big, big)
-    mx.nd.waitall()
-    arrays["rss_growth"] = np.array(_rss_bytes() - before)
-    arrays["got"] = big.asnumpy()
-    np.savez(out.format(rank=kv.rank), **arrays)
-
-
-def _rss_bytes():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 if mode == "broadcast":
     broadcast()
-    sys.exit(0)
-
-if mode == "broadcast_memory":
-    broadcast_memory()
     sys.exit(0)
 
 if mode == "recheck":

@@ -130,21 +130,6 @@ def test_broadcast_gives_every_worker_rank0s_values_bitwise(tmp_path):
     assert np.signbit(got[0]["sent4"][0]) and got[1]["got4"][0] == 0.0   # (-0.0 == 0.0)
 
 
-def test_broadcast_leaves_no_copy_of_the_parameter(tmp_path):
-    """A 256 MB parameter broadcast: bitwise rank 0's, and no worker keeps a buffer of
-    its size (MXNet's worker keeps the pull buffer of every key it ever pulled: a key
-    of the parameter's size would leave it in every worker but rank 0)."""
-    proc, out, _ = launch_keys_worker(tmp_path, "broadcast_memory")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    got = [dict(np.load(out.format(rank=r) + ".npz")) for r in range(2)]
-    assert not np.array_equal(got[1]["sent"], got[0]["sent"])
-    for r in range(2):
-        np.testing.assert_array_equal(got[r]["got"], got[0]["sent"])
-    # rank 0's growth also holds its keys' initial values, which MXNet keeps until their
-    # first push; the broadcast's own keys take 8 MB (2 per server, send and receive)
-    assert got[1]["rss_growth"] < 128 << 20, int(got[1]["rss_growth"])
-
-
 def test_small_tensors_travel_fused(tmp_path):
     """21 small uncompressed tensors pushed in one call: one bucket message per step."""
     proc, out, _ = launch_keys_worker(tmp_path, "fusion")
