@@ -122,6 +122,15 @@ class LinkCosts:
         links = tuple(WireCost.fit(nbytes, row) for row in seconds)
         return cls(links, max(0.0, (many_keys_s - one_key_s) / (keys - 1)))
 
+    def dense_floor_s(self, nbytes):
+        """Seconds below which no dense exchange of ``nbytes`` bytes per worker (every
+        worker at once, pushed and pulled, spread over the links) can finish: each link
+        carries pushes and pulls at once (half its probe's per_byte_s, which times one
+        key's push and then its pull), the bytes spread in proportion to the links'
+        speeds, no latency. resnet50_v1b (102 MB) at 1 Gbit/s, 4 workers, 2 servers:
+        1.4 s, where its exchange was timed at 2.0-2.2 s."""
+        return 0.5 * nbytes / sum(1.0 / l.per_byte_s for l in self.links)
+
     def to_list(self):
         values = [float(len(self.links)), self.message_s]
         for l in self.links:
@@ -237,13 +246,16 @@ class RouteCosts:
 
     The servers' route costs dense_s + update_s / servers, the workers' (hylo's)
     hylo_s + update_s: every worker runs the whole update. rounds: how many timed
-    exchanges of each route dense_s and hylo_s are the medians of.
+    exchanges of each route dense_s and hylo_s are the medians of. dense_bound: dense_s
+    was not timed but is the links' floor (LinkCosts.dense_floor_s), below which no
+    dense exchange finishes: enough to rule the servers' route out.
     """
     dense_s: float
     hylo_s: float
     update_s: float
     servers: int
     rounds: int = 1
+    dense_bound: bool = False
 
     @property
     def servers_s(self):

@@ -513,23 +513,35 @@ class Hylo(KVStoreBase):
     def _time_routes(self, trainer):
         """RouteCosts of ``trainer``'s parameters (collective; rank 0's figures): each
         route's median over rounds of one timed exchange each, a round more while the
-        two are close (RouteCosts.close), up to ROUTE_MAX_ROUNDS. The probes' keys,
+        two are close (RouteCosts.close), up to ROUTE_MAX_ROUNDS. Hylo's route is timed
+        first: where it beats even the floor of the dense exchange (the cost model's
+        links, LinkCosts.dense_floor_s) the dense one is not timed, which at 1 Gbit/s
+        takes seconds and a model copy on every worker and server. The probes' keys,
         residuals and traffic are their own."""
         params = [p for p in trainer._params if p.grad_req != "null"]
         shapes = [tuple(p.shape) for p in params]
         traffic, memory, self.traffic, self.memory = \
             self.traffic, self.memory, TrafficStats(), ResidualMemory()
+        servers = self.transport.num_servers
         try:
             update_s = time_update(trainer._optimizer, sum(int(np.prod(s)) for s in shapes))
-            dense, hylo = [], []
             with self._hylo_probe([p.name for p in params], shapes, trainer) as time_hylo:
+                hylo, dense = [time_hylo(warmup=True)], []
+                links = self.cost.links if self.cost is not None else None
+                if links is not None:      # (rank 0's: the same on every worker)
+                    floor = links.dense_floor_s(4 * sum(int(np.prod(s)) for s in shapes))
+                    figures = self.transport.share_from_rank0([floor, hylo[0], update_s])
+                    costs = RouteCosts(*[float(v) for v in figures], servers=servers,
+                                       dense_bound=True)
+                    if costs.route() == "workers":
+                        return costs
                 while True:
                     dense.append(self.transport.time_dense(shapes, warmup=not dense))
-                    hylo.append(time_hylo(warmup=not hylo))
+                    if len(hylo) < len(dense):
+                        hylo.append(time_hylo(warmup=False))
                     figures = self.transport.share_from_rank0(
                         [np.median(dense), np.median(hylo), update_s])
-                    costs = RouteCosts(*[float(v) for v in figures],
-                                       servers=self.transport.num_servers,
+                    costs = RouteCosts(*[float(v) for v in figures], servers=servers,
                                        rounds=len(dense))
                     if len(dense) >= ROUTE_MAX_ROUNDS or not costs.close():
                         return costs

@@ -10,7 +10,7 @@ import pytest
 from mxnet import gluon
 
 import mxhylo
-from mxhylo.kvstore.cost_model import RouteChoice, RouteCosts
+from mxhylo.kvstore.cost_model import CostModel, LinkCosts, RouteChoice, RouteCosts, WireCost
 from mxhylo.kvstore.server import RouteOptimizer, ServerState
 from mxhylo.kvstore.wire import ChunkLayout
 
@@ -36,12 +36,14 @@ def test_route_rule_weighs_the_update_where_it_runs():
         "route": "workers", "reason": "server_update=False"}
 
 
-def _timed_routes(dense, hylo):
+def _timed_routes(dense, hylo, links=None):
     """RouteCosts the store's _time_routes makes when its timed exchanges give, round
-    by round, ``dense`` and ``hylo`` seconds (a stand-in transport of 2 servers), and
-    the warm-up flags each route's timer was called with."""
+    by round, ``dense`` and ``hylo`` seconds (a stand-in transport of 2 servers, whose
+    cost model has ``links``: LinkCosts or None), and the warm-up flags each route's
+    timer was called with."""
     kv = mxhylo.create("hylo")
     trainer = _trainer(kv)
+    kv.cost = CostModel(WireCost(0.0, 1e-9), {}, 1, links=links)
     dense, hylo, warmups = iter(dense), iter(hylo), {"dense": [], "hylo": []}
 
     def time_dense(shapes, warmup=True):
@@ -75,6 +77,27 @@ def test_routes_are_timed_again_while_close():
     # close, then apart: two rounds
     costs, _ = _timed_routes([3.0, 9.0, 9.0], [2.5, 1.0, 1.0])
     assert costs.rounds == 2 and costs.route() == "workers"
+
+
+def test_dense_route_is_not_timed_where_its_floor_loses():
+    """Hylo's route is timed first; where it beats the links' floor of a dense exchange
+    (LinkCosts.dense_floor_s) by the margin, the dense exchange is not timed at all."""
+    links = LinkCosts((WireCost(0.0, 0.03), WireCost(0.0, 0.06)), 0.0)
+    # the trainer's parameters: 15 float32 (60 bytes); the links carry 1/0.03 + 1/0.06
+    # bytes per second together, both ways at once: no dense exchange under 0.6 s
+    assert links.dense_floor_s(60) == pytest.approx(0.6)
+    costs, warmups = _timed_routes([], [0.3], links)
+    assert warmups == {"dense": [], "hylo": [True]}
+    assert costs.dense_bound and costs.rounds == 1 and costs.route() == "workers"
+    assert costs.dense_s == pytest.approx(0.6) and costs.hylo_s == pytest.approx(0.3)
+    assert RouteChoice("workers", "measured", costs).as_dict()["dense_bound"]
+    # hylo's exchange not clearly below the floor: the dense one is timed, as before
+    costs, warmups = _timed_routes([2.5], [0.9], links)
+    assert warmups == {"dense": [True], "hylo": [True]}
+    assert not costs.dense_bound and costs.dense_s == pytest.approx(2.5)
+    # without the links' figures (one server, Horovod, cost model off): timed
+    costs, warmups = _timed_routes([2.5], [0.3])
+    assert warmups == {"dense": [True], "hylo": [True]} and not costs.dense_bound
 
 
 # -- what refuses the servers' route ------------------------------------------------------
