@@ -75,6 +75,9 @@ GRADIENT_WAIT_BOUND_S = 900.0
 ROUTE_MAX_ROUNDS = 3
 # the probe layers of hylo's route are named so (their own keys, residuals and stats)
 ROUTE_PROBE_PREFIX = "__hylo_route_probe__/"
+# float32 elements of a probe layer's random gradient drawn at a time (16 MB of host
+# memory, not the layer's: vgg16's fc6 drawn whole took 1.6 GB per worker)
+PROBE_DRAW_ELEMENTS = 1 << 22
 # optimizers whose update is elementwise and per index: a parameter cut in pieces over
 # the servers is updated exactly as a whole one (a layer-wise rule such as LARS is not;
 # nor Nadam, whose momentum schedule advances with every update call)
@@ -88,6 +91,18 @@ class Layer:
 
     def __init__(self, key, plan, compressor):
         self.key, self.plan, self.compressor = key, plan, compressor
+
+
+def _random_gradient(shape, rng):
+    """A float32 NDArray of ``shape`` drawn from N(0, 0.01) by ``rng`` (a numpy
+    Generator), PROBE_DRAW_ELEMENTS at a time: a probe's stand-in gradient."""
+    out = mx.nd.empty(shape)
+    flat = out.reshape((-1,))
+    size = flat.shape[0]
+    for lo in range(0, size, PROBE_DRAW_ELEMENTS):
+        hi = min(size, lo + PROBE_DRAW_ELEMENTS)
+        flat[lo:hi] = rng.standard_normal(hi - lo, dtype=np.float32) * np.float32(0.01)
+    return out
 
 
 def _as_list(x):
@@ -555,7 +570,7 @@ class Hylo(KVStoreBase):
         correction if the Trainer's optimizer asks for it); yields a function that
         returns the seconds of one hylo exchange of them (after one untimed with
         warmup=True)."""
-        rng = np.random.RandomState(0)
+        rng = np.random.default_rng(0)
         keys, values = [], []
         momentum = self._momentum_context(trainer)
 
@@ -583,11 +598,10 @@ class Hylo(KVStoreBase):
                 self._layers[key] = Layer(key, plan, self.compressors[plan.strategy])
                 self.memory.set_scalar(plan.name, "warmup_done", self.warmup_steps)
                 keys.append(key)
-                values.append(mx.nd.array(rng.normal(0, 0.01, size=shape)
-                                          .astype(np.float32)))
+                values.append(_random_gradient(shape, rng))
             self._momentum = None
-            for key, value in zip(keys, values):    # their keys (no broadcast: any
-                self.transport.init(self._layers[key], value)   # values will do)
+            for key, value in zip(keys, values):    # their keys (no broadcast)
+                self.transport.init(self._layers[key], value, probe=True)
             yield timed
         finally:
             self._momentum = None

@@ -244,15 +244,21 @@ class KeyTable:
 
     # -- a layer's keys ------------------------------------------------------------------
 
-    def init(self, layer, value):
-        """Create the layer's keys on the servers (every worker calls this, in order)."""
-        if layer.key in self._bcast:
+    def init(self, layer, value, probe=False):
+        """Create the layer's keys on the servers (every worker calls this, in order):
+        its broadcast key, initialised with rank 0's ``value``, and the keys of its
+        exchanges; with ``probe`` (kvstore.transport.Transport.init) only the latter.
+        (MXNet's worker keeps each key's initial value, and its servers a copy of it:
+        a probe's broadcast and warm-up keys would each hold a copy of the model on
+        rank 0 and on the servers for the job's life.)"""
+        if layer.key in self.chunks:
             return
         self.check_same_model(layer)
-        bkey, _ = self._place(0)      # used once, at init: not part of the steady load
-        keys, values = [bkey], [value]
-        warm = []
-        if self.warmup and layer.plan.strategy != "none":
+        keys, values, warm = [], [], []
+        if not probe:
+            bkey, _ = self._place(0)  # used once, at init: not part of the steady load
+            keys, values = [bkey], [value]
+        if self.warmup and layer.plan.strategy != "none" and not probe:
             # dense keys for the warm-up steps (not counted in the steady load)
             for chunk in plan_chunks("none", layer.plan.shape, self.num_workers,
                                      self.num_servers, self.chunk_elements,
@@ -266,7 +272,8 @@ class KeyTable:
                 values.append(mx.nd.zeros(chunk.key_shape, ctx=mx.cpu()))
         chunks = self._new_chunks(layer, keys, values)
         self.kv.init(keys, values)      # one barrier for the layer
-        self._bcast[layer.key] = bkey
+        if not probe:
+            self._bcast[layer.key] = bkey
         self.chunks[layer.key] = chunks
         if warm:
             self.warm_chunks[layer.key] = warm

@@ -65,8 +65,11 @@ class Transport(abc.ABC):
     split_elements = None   # from how many elements on the wire a layer is cut, if ever
 
     @abc.abstractmethod
-    def init(self, layer, value):
-        """Create ``layer``'s keys (every worker calls this, in the same order)."""
+    def init(self, layer, value, probe=False):
+        """Create ``layer``'s keys (every worker calls this, in the same order), for
+        rank 0's ``value`` to be broadcast from. probe: a route probe's layer
+        (kvstore.hylo), exchanged compressed and nothing else: no key to broadcast
+        from, none for warm-up steps (``value`` is not used)."""
 
     @abc.abstractmethod
     def broadcast(self, layer, value, outs):

@@ -135,7 +135,7 @@ class HorovodTransport(Transport):
 
     # -- no keys, no servers -------------------------------------------------------------
 
-    def init(self, layer, value):
+    def init(self, layer, value, probe=False):
         """Nothing to create: collectives need no keys."""
 
     def broadcast(self, layer, value, outs):

@@ -26,7 +26,7 @@ class LocalTransport(Transport):
         self.compress_pull = compress_pull
         self.server = PullEncoder(threshold_scale)
 
-    def init(self, layer, value):
+    def init(self, layer, value, probe=False):
         """Nothing to set up: there is no server."""
 
     def broadcast(self, layer, value, outs):

@@ -180,8 +180,8 @@ class PSTransport(Transport):
 
     # -- keys (kvstore.ps_keys) ----------------------------------------------------------
 
-    def init(self, layer, value):
-        self.keys.init(layer, value)
+    def init(self, layer, value, probe=False):
+        self.keys.init(layer, value, probe)
 
     def broadcast(self, layer, value, outs):
         self.kv.pull(self.keys.broadcast_key(layer), out=outs)

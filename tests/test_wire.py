@@ -206,3 +206,56 @@ def test_the_store_is_made_with_the_split_lifted_and_the_environment_restored(mo
         assert transport_ps._native_store_unsplit() == "store"
         assert os.environ.get("MXNET_KVSTORE_BIGARRAY_BOUND") == before
     assert seen == [("dist_sync", str(2 ** 31 - 1))] * 2
+
+
+class _RecordingStore:
+    """MXNet's dist store as KeyTable uses it, one worker: remembers what each key was
+    initialised with; a pull returns the last push (the model check's key)."""
+    rank, num_workers = 0, 1
+
+    def __init__(self):
+        self.initialised, self._pushed = {}, {}
+
+    def init(self, keys, values):
+        keys, values = (keys, values) if isinstance(keys, list) else ([keys], [values])
+        self.initialised.update(zip(keys, values))
+
+    def push(self, key, value):
+        self._pushed[key] = value.copy()
+
+    def pull(self, key, out):
+        self._pushed[key].copyto(out)
+
+
+@pytest.mark.parametrize("strategy, shape", [("fc_2bit", (512, 300)),
+                                             ("conv_topk", (64, 32, 3, 3))])
+def test_a_route_probe_layer_has_no_broadcast_or_warm_up_keys(strategy, shape):
+    """A probe layer's keys are those of its compressed exchange only: MXNet keeps each
+    key's initial value on rank 0 and a copy on its server for the job's life, so a
+    broadcast key and warm-up keys would each hold a model copy there."""
+    from mxhylo.kvstore.hylo import Layer
+    from mxhylo.kvstore.policy import LayerPlan
+    from mxhylo.kvstore.ps_keys import KeyTable
+    layer = Layer("w", LayerPlan("w", shape, strategy, rate=0.25, k=16),
+                  make_compressors()[strategy])
+    value, size = mx.nd.ones(shape), int(np.prod(shape))
+    made, tables = {}, {}
+    for probe in (False, True):
+        store = _RecordingStore()
+        table = tables[probe] = KeyTable(store, 2, 1 << 20, 1 << 18, 1 << 16, "gather",
+                                         1.0, True)
+        before = set(store.initialised)
+        table.init(layer, value, probe=probe)
+        made[probe] = {k: v for k, v in store.initialised.items() if k not in before}
+    exchanged = [c.pskey for c in tables[True].chunks["w"]]
+    assert sorted(made[True]) == exchanged and "w" not in tables[True].warm_chunks
+    assert not any(v is value for v in made[True].values())
+    assert not any(v.stype == "default" and v.size >= size        # no dense copy
+                   for v in made[True].values())
+    # the same layer broadcast: its broadcast key holds the value itself, and its
+    # warm-up keys the dense rest
+    assert made[False][tables[False].broadcast_key(layer)] is value
+    warm = [c.pskey for c in tables[False].warm_chunks["w"]]
+    assert sum(made[False][k].size for k in warm) == size
+    assert all(made[False][k].stype == "default" for k in warm)
+    assert len(made[False]) == 1 + len(warm) + len(exchanged)
