@@ -248,7 +248,9 @@ class RouteCosts:
     hylo_s + update_s: every worker runs the whole update. rounds: how many timed
     exchanges of each route dense_s and hylo_s are the medians of. dense_bound: dense_s
     was not timed but is the links' floor (LinkCosts.dense_floor_s), below which no
-    dense exchange finishes: enough to rule the servers' route out.
+    dense exchange finishes: enough to rule the servers' route out. predicted: neither
+    was timed (rounds 0); both are the cost model's sums over the layers
+    (kvstore.hylo.Hylo._predict_routes), where the probes would not fit in memory.
     """
     dense_s: float
     hylo_s: float
@@ -256,6 +258,7 @@ class RouteCosts:
     servers: int
     rounds: int = 1
     dense_bound: bool = False
+    predicted: bool = False
 
     @property
     def servers_s(self):
@@ -317,6 +320,19 @@ def time_update(optimizer, elements, repeats=3, most=1 << 22):
         weight.wait_to_read()
         times.append(time.perf_counter() - t0)
     return float(np.median(times[1:])) * elements / n
+
+
+def available_memory_bytes():
+    """Bytes of memory this host can still give its processes (Linux's MemAvailable),
+    or inf where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024.0      # (kB)
+    except OSError:
+        pass
+    return float("inf")
 
 
 def time_momentum(elements=1 << 20, repeats=3, seed=0):

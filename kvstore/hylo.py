@@ -43,7 +43,8 @@ from mxnet.kvstore import KVStoreBase
 from . import momentum as momentum_correction
 from .compressors import make_compressors
 from .cost_model import (CodecCost, CostModel, ExchangeDrift, RouteChoice, RouteCosts,
-                         WireCost, time_codec, time_momentum, time_update)
+                         WireCost, available_memory_bytes, time_codec, time_momentum,
+                         time_update)
 from .memory import ResidualMemory
 from .policy import DEFAULT_SIZE_THRESHOLD, LayerPolicy, compress_pull_mode, pull_codec
 from .stats import TrafficStats
@@ -75,6 +76,20 @@ GRADIENT_WAIT_BOUND_S = 900.0
 ROUTE_MAX_ROUNDS = 3
 # the probe layers of hylo's route are named so (their own keys, residuals and stats)
 ROUTE_PROBE_PREFIX = "__hylo_route_probe__/"
+# Memory of the route choice, in bytes per element of the Trainer's parameters on every
+# worker (estimates). The probes at once: the hylo probe's random gradients, residuals,
+# velocity, previous aggregate and the step's new velocity (5 x 4), the dense probe's
+# pushed and pulled arrays and its keys' initial values (3 x 4). Hylo's route over the
+# servers' in steady state: the optimizer's momentum on the worker, and the same four
+# arrays of the compressed layers (5 x 4; measured on vgg16: 4.97 GB peak per worker
+# against dist_sync's 2.39, 19 bytes per element).
+ROUTE_PROBE_BYTES_PER_ELEMENT = 32
+ROUTE_WORKERS_BYTES_PER_ELEMENT = 20
+# the share of rank 0's host's available memory the probes (or hylo's route) may take,
+# every worker counted on that host (the bound where they share it, as in one-machine
+# jobs): vgg16's probes, 4 workers, would need 17.7 GB, and ran a 24 GiB machine out
+# of memory at the first step
+ROUTE_MEMORY_SHARE = 0.8
 # float32 elements of a probe layer's random gradient drawn at a time (16 MB of host
 # memory, not the layer's: vgg16's fc6 drawn whole took 1.6 GB per worker)
 PROBE_DRAW_ELEMENTS = 1 << 22
@@ -499,8 +514,7 @@ class Hylo(KVStoreBase):
         elif refused or self._cost_option is False:
             self.route = RouteChoice("workers", refused or "cost_model=False")
         else:
-            costs = self._time_routes(trainer)
-            self.route = RouteChoice(costs.route(), "measured", costs)
+            self.route = self._choose_route(trainer)
         if self.route.route == "workers":
             return None
         return self.transport.server_route(trainer._params)
@@ -525,29 +539,81 @@ class Hylo(KVStoreBase):
                                                            np.dtype(param.dtype).name)
         return None
 
-    def _time_routes(self, trainer):
-        """RouteCosts of ``trainer``'s parameters (collective; rank 0's figures): each
-        route's median over rounds of one timed exchange each, a round more while the
-        two are close (RouteCosts.close), up to ROUTE_MAX_ROUNDS. Hylo's route is timed
-        first: where it beats even the floor of the dense exchange (the cost model's
-        links, LinkCosts.dense_floor_s) the dense one is not timed, which at 1 Gbit/s
-        takes seconds and a model copy on every worker and server. The probes' keys,
-        residuals and traffic are their own."""
+    def _choose_route(self, trainer):
+        """The RouteChoice of ``trainer``'s parameters (collective; rank 0's figures):
+        timed (_time_routes, reason 'measured') where the probes fit in memory, else
+        predicted by the cost model (_predict_routes), and hylo's route only where its
+        own state fits too (ROUTE_*_BYTES_PER_ELEMENT, ROUTE_MEMORY_SHARE): a route
+        choice that runs the job out of memory would cost the user the job."""
+        elements = sum(int(np.prod(p.shape)) for p in trainer._params
+                       if p.grad_req != "null")
+        workers, gib = self.transport.num_workers, float(1 << 30)
+        update_s, available = (float(v) for v in self.transport.share_from_rank0(
+            [time_update(trainer._optimizer, elements), available_memory_bytes() / gib]))
+        room = ROUTE_MEMORY_SHARE * available
+        probes = ROUTE_PROBE_BYTES_PER_ELEMENT * elements * workers / gib
+        if probes <= room:
+            costs = self._time_routes(trainer, update_s)
+            return RouteChoice(costs.route(), "measured", costs)
+        why = ("the route probes would need %.1f GiB of the %.1f GiB available on rank "
+               "0's host" % (probes, available))
+        costs = self._predict_routes(trainer, update_s)
+        if costs is None:
+            return RouteChoice("servers", why + "; no cost model to predict by")
+        hylo_route = ROUTE_WORKERS_BYTES_PER_ELEMENT * elements * workers / gib
+        if costs.route() == "workers" and hylo_route > room:
+            return RouteChoice("servers", "%s; hylo's route would hold %.1f GiB more"
+                               % (why, hylo_route), costs)
+        return RouteChoice(costs.route(), "predicted: " + why, costs)
+
+    def _predict_routes(self, trainer, update_s):
+        """RouteCosts of ``trainer``'s parameters by the cost model alone (no probe;
+        None without a cost model): the servers' route as every layer dense, hylo's as
+        each layer is planned, each the sum over the layers of CostModel.predict (which
+        leaves out overlap between layers, alike on both sides)."""
+        if self.cost is None:
+            return None
+        momentum = self._momentum_context(trainer) is not None
+        dense_s = hylo_s = 0.0
+        for param in trainer._params:
+            if param.grad_req == "null":
+                continue
+            shape = tuple(param.shape)
+            dense = self.cost.predict(self.policy.plan_as(param.name, shape, "none"), 0)
+            dense_s += dense.dense_s
+            plan = self.policy.plan(param.name, shape)
+            if plan.strategy in self.cost.codecs:
+                nbytes = self.compressors[plan.strategy].payload_nbytes(plan)
+                pred = self.cost.predict(plan, nbytes, momentum)
+                hylo_s += pred.codec_s if pred.strategy != "none" else pred.dense_s
+            else:
+                hylo_s += dense.dense_s
+        return RouteCosts(dense_s, hylo_s, update_s, self.transport.num_servers,
+                          rounds=0, predicted=True)
+
+    def _time_routes(self, trainer, update_s):
+        """RouteCosts of ``trainer``'s parameters (collective; rank 0's figures), its
+        optimizer's update taking ``update_s``: each route's median over rounds of one
+        timed exchange each, a round more while the two are close (RouteCosts.close),
+        up to ROUTE_MAX_ROUNDS. Hylo's route is timed first: where it beats even the
+        floor of the dense exchange (the cost model's links, LinkCosts.dense_floor_s)
+        the dense one is not timed, which at 1 Gbit/s takes seconds and a model copy on
+        every worker and server. The probes' keys, residuals and traffic are their
+        own."""
         params = [p for p in trainer._params if p.grad_req != "null"]
         shapes = [tuple(p.shape) for p in params]
         traffic, memory, self.traffic, self.memory = \
             self.traffic, self.memory, TrafficStats(), ResidualMemory()
         servers = self.transport.num_servers
         try:
-            update_s = time_update(trainer._optimizer, sum(int(np.prod(s)) for s in shapes))
             with self._hylo_probe([p.name for p in params], shapes, trainer) as time_hylo:
                 hylo, dense = [time_hylo(warmup=True)], []
                 links = self.cost.links if self.cost is not None else None
                 if links is not None:      # (rank 0's: the same on every worker)
                     floor = links.dense_floor_s(4 * sum(int(np.prod(s)) for s in shapes))
-                    figures = self.transport.share_from_rank0([floor, hylo[0], update_s])
-                    costs = RouteCosts(*[float(v) for v in figures], servers=servers,
-                                       dense_bound=True)
+                    figures = self.transport.share_from_rank0([floor, hylo[0]])
+                    costs = RouteCosts(*[float(v) for v in figures], update_s=update_s,
+                                       servers=servers, dense_bound=True)
                     if costs.route() == "workers":
                         return costs
                 while True:
@@ -555,9 +621,9 @@ class Hylo(KVStoreBase):
                     if len(hylo) < len(dense):
                         hylo.append(time_hylo(warmup=False))
                     figures = self.transport.share_from_rank0(
-                        [np.median(dense), np.median(hylo), update_s])
-                    costs = RouteCosts(*[float(v) for v in figures], servers=servers,
-                                       rounds=len(dense))
+                        [np.median(dense), np.median(hylo)])
+                    costs = RouteCosts(*[float(v) for v in figures], update_s=update_s,
+                                       servers=servers, rounds=len(dense))
                     if len(dense) >= ROUTE_MAX_ROUNDS or not costs.close():
                         return costs
         finally:

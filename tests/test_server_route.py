@@ -10,7 +10,9 @@ import pytest
 from mxnet import gluon
 
 import mxhylo
-from mxhylo.kvstore.cost_model import CostModel, LinkCosts, RouteChoice, RouteCosts, WireCost
+from mxhylo.kvstore import cost_model, hylo as hylo_store
+from mxhylo.kvstore.cost_model import (CodecCost, CostModel, LinkCosts, RouteChoice,
+                                      RouteCosts, WireCost)
 from mxhylo.kvstore.server import RouteOptimizer, ServerState
 from mxhylo.kvstore.wire import ChunkLayout
 
@@ -58,7 +60,7 @@ def _timed_routes(dense, hylo, links=None):
         yield timed
     kv.transport.time_dense, kv._hylo_probe = time_dense, probe
     kv.transport.num_servers = 2
-    return kv._time_routes(trainer), warmups
+    return kv._time_routes(trainer, 0.0), warmups
 
 
 def test_routes_are_timed_again_while_close():
@@ -98,6 +100,78 @@ def test_dense_route_is_not_timed_where_its_floor_loses():
     # without the links' figures (one server, Horovod, cost model off): timed
     costs, warmups = _timed_routes([2.5], [0.3])
     assert warmups == {"dense": [True], "hylo": [True]} and not costs.dense_bound
+
+
+def _route_choice(monkeypatch, available_bytes, per_byte_s=1.0, encode_s=0.0, cost=True):
+    """The RouteChoice a store with size_threshold=4 makes for a Trainer of one Dense
+    layer (a 3x4 weight planned fc_2bit, 15 float32 elements in all) when its host has
+    ``available_bytes`` of memory available, its cost model a wire of ``per_byte_s``
+    and codecs of ``encode_s`` per element (cost=False: none), and 2 servers; with
+    whether the probes ran (the stand-ins record it)."""
+    monkeypatch.setattr(hylo_store, "available_memory_bytes", lambda: available_bytes)
+    kv = mxhylo.create("hylo", size_threshold=4)
+    trainer = _trainer(kv)
+    codec = CodecCost(encode_s, 0.0)
+    kv.cost = CostModel(WireCost(0.0, per_byte_s), {"fc_2bit": codec, "conv_topk": codec},
+                        1) if cost else None
+    probed = []
+
+    def time_dense(shapes, warmup=True):
+        probed.append("dense")
+        return 2.0
+
+    @contextlib.contextmanager
+    def probe(names, shapes, trainer):
+        probed.append("hylo")
+        yield lambda warmup: 1.0
+    kv.transport.time_dense, kv._hylo_probe = time_dense, probe
+    kv.transport.num_servers = 2
+    return kv._choose_route(trainer), probed
+
+
+def test_route_is_predicted_where_the_probes_would_not_fit_in_memory(monkeypatch):
+    """The probes hold ROUTE_PROBE_BYTES_PER_ELEMENT per parameter element on every
+    worker at once: where rank 0's host has not that much to spare (ROUTE_MEMORY_SHARE)
+    nothing is probed, and the cost model's sums over the layers decide; hylo's route
+    only where its own state fits too. (vgg16's probes, 4 workers on one 24 GiB
+    machine, ran it out of memory.)"""
+    share = hylo_store.ROUTE_MEMORY_SHARE
+    probes = hylo_store.ROUTE_PROBE_BYTES_PER_ELEMENT * 15       # one worker
+    state = hylo_store.ROUTE_WORKERS_BYTES_PER_ELEMENT * 15
+    assert state < probes
+    # room for the probes: timed, as before
+    choice, probed = _route_choice(monkeypatch, probes / share * 1.01)
+    assert choice.reason == "measured" and probed == ["hylo", "dense"]
+    assert choice.route == "workers" and choice.costs.rounds == 1   # 1.0 s against 2.0
+    # no room for the probes, room for hylo's route; a slow wire: compressing pays
+    tight = probes / share * 0.99
+    choice, probed = _route_choice(monkeypatch, tight)
+    assert probed == [] and choice.route == "workers"
+    assert choice.reason.startswith("predicted: the route probes would need")
+    assert choice.costs.predicted and choice.costs.rounds == 0
+    assert choice.costs.dense_s == pytest.approx(4 * 15 * 1.0)          # 60 bytes dense
+    assert choice.costs.hylo_s < 0.5 * choice.costs.dense_s
+    assert choice.as_dict()["predicted"] is True
+    # codecs that cost more than the bytes they save: every layer dense, the servers
+    choice, probed = _route_choice(monkeypatch, tight, per_byte_s=1e-9, encode_s=1.0)
+    assert probed == [] and choice.route == "servers"
+    assert choice.costs.hylo_s == pytest.approx(choice.costs.dense_s)
+    # no room for hylo's route either: the servers, though compressing would pay
+    choice, probed = _route_choice(monkeypatch, state / share * 0.99)
+    assert probed == [] and choice.route == "servers"
+    assert "hylo's route would hold" in choice.reason and choice.costs.route() == "workers"
+    # no cost model to predict by: the servers (dist_sync's exchange, the lighter)
+    choice, probed = _route_choice(monkeypatch, tight, cost=False)
+    assert probed == [] and choice.route == "servers" and choice.costs is None
+    assert "no cost model" in choice.reason
+
+
+def test_available_memory_is_read_from_the_host():
+    available = cost_model.available_memory_bytes()
+    assert available > 0
+    with open("/proc/meminfo") as f:
+        total = [float(l.split()[1]) * 1024 for l in f if l.startswith("MemTotal:")][0]
+    assert available <= total
 
 
 # -- what refuses the servers' route ------------------------------------------------------
