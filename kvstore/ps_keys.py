@@ -257,7 +257,9 @@ class KeyTable:
         keys, values, warm = [], [], []
         if not probe:
             bkey, _ = self._place(0)  # used once, at init: not part of the steady load
-            keys, values = [bkey], [value]
+            # a copy: MXNet sends nothing from an array in oneDNN's own layout (a
+            # weight after an inference forward), kvstore.trainer_hook says why
+            keys, values = [bkey], [value.copy()]
         if self.warmup and layer.plan.strategy != "none" and not probe:
             # dense keys for the warm-up steps (not counted in the steady load)
             for chunk in plan_chunks("none", layer.plan.shape, self.num_workers,

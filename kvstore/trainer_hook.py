@@ -19,10 +19,25 @@ a hylo store, and leaves every other store to Gluon's own code:
   servers' route the Trainer's optimizer settings (its learning rate) reach the
   servers first (``ServerUpdateStore.sync_optimizer``), then Gluon's loop runs.
 
-And one repair for every distributed store, MXNet's own included:
+And one repair of MXNet's own start-up, for every distributed store:
 
-* ``_init_params``: waits until the parameters it broadcast have arrived. Why: in
-  MXNet 1.9.1's KVStoreDist the broadcast's pull lands in a fresh buffer on every
+* ``_init_params``: rank 0 hands MXNet copies of the parameters to send, and the
+  Trainer waits until the parameters it broadcast have arrived.
+  Why copies: after an inference forward, oneDNN keeps a convolution's weight in a
+  blocked layout of its own. MXNet's KVStoreDist sends a key's initial value from
+  that array in an engine operation that asks for its plain data
+  (src/kvstore/kvstore_dist.h PushDefault: ``send_buf.data()``), which raises for
+  such an array (src/ndarray/ndarray.cc SetTBlob: "We can't generate TBlob for MKLDNN
+  data"); the operation writes no array, so the engine drops the error and the push
+  is never sent. Rank 0 then passes the barrier as if its value were stored, and the
+  first worker to pull the key ends the job on its server ("init N first",
+  src/kvstore/kvstore_dist_server.h:611), or, when a worker's first push-and-pull
+  arrives there first, is answered without data and ends itself (ps-lite's
+  kv_app.h:624). Whether the weight is still in oneDNN's layout when the push runs
+  depends on the engine's timing: oneDNN changes a weight's layout in operations it
+  queues while running a forward, so the failure comes and goes. A copy is always in
+  the plain layout.
+  Why wait: in MXNet 1.9.1's KVStoreDist the pull lands in a fresh buffer on every
   worker but rank 0, and the first step's pushpull of the same key uses the gradient
   array as its buffer: two engine operations with no variable in common, so ps-lite
   may send the pushpull first. When that push completes the server's round, the pull
@@ -37,6 +52,8 @@ registered with MXNet).
 """
 import functools
 import os
+
+import mxnet as mx
 
 from .server_route import ServerUpdateStore
 
@@ -68,16 +85,14 @@ def install(store_class):
 
     @functools.wraps(init_params)
     def _init_params(trainer):
+        kv = trainer._kvstore
+        if isinstance(kv, mx.kv.KVStore) and "dist" in kv.type:
+            _broadcast_copies(trainer)
+            return
         pending = list(trainer._params_to_init)
         init_params(trainer)
-        kv = trainer._kvstore
-        if kv is None or "dist" not in str(getattr(kv, "type", "")):
-            return
-        still_deferred = set(id(p) for p in trainer._params_to_init)
-        for param in pending:
-            if id(param) not in still_deferred:
-                for array in param.list_data():
-                    array.wait_to_read()
+        if kv is not None and "dist" in str(getattr(kv, "type", "")):
+            _wait_arrived(trainer, pending)
 
     @functools.wraps(allreduce_grads)
     def _allreduce_grads(trainer):
@@ -95,3 +110,31 @@ def install(store_class):
     gluon.Trainer._init_params = _init_params
     gluon.Trainer._allreduce_grads = _allreduce_grads
 
+
+def _broadcast_copies(trainer):
+    """Gluon's ``_init_params`` for a native distributed store, with rank 0's values
+    sent from copies (see the module docstring): every parameter ready to initialise
+    in one ``init`` and one ``pull`` (Gluon's broadcast is that init and that pull, a
+    barrier for each parameter); then the Trainer waits for them. Deferred parameters
+    stay deferred, as in Gluon."""
+    kv = trainer._kvstore
+    ready = [p for p in trainer._params_to_init if not p._deferred_init]
+    trainer._params_to_init = [p for p in trainer._params_to_init if p._deferred_init]
+    if not ready:
+        return
+    keys = [trainer._param2idx[p.name] for p in ready]
+    arrays = [p._check_and_get(p._data, list) for p in ready]
+    kv.init(keys, [a[0].copy() for a in arrays])
+    dense = [(k, a) for k, a, p in zip(keys, arrays, ready) if p._stype == "default"]
+    if dense:
+        kv.pull([k for k, _ in dense], out=[a for _, a in dense])
+    _wait_arrived(trainer, ready)
+
+
+def _wait_arrived(trainer, params):
+    """Wait until the values pulled into ``params`` (those no longer deferred) arrived."""
+    still_deferred = set(id(p) for p in trainer._params_to_init)
+    for param in params:
+        if id(param) not in still_deferred:
+            for array in param.list_data():
+                array.wait_to_read()
