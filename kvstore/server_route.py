@@ -19,6 +19,14 @@ servers, and a learning rate (or any other optimizer setting) changed on the Tra
 reaches them before the next step's pushes (``sync_optimizer``, called by
 kvstore.trainer_hook). Like dist_sync, the optimizer's state lives on the servers:
 ``trainer.save_states`` cannot save it, and says so.
+
+The pieces are pulled into a copy of each parameter that the store owns, and that copy
+is copied whole into the parameter's arrays: never a piece into a view of a parameter.
+oneDNN (MKLDNN) reorders a conv weight into its own layout in the parameter's array
+during an inference forward (and back only at the next training forward, which may run
+after the step's pulls were queued); MXNet cannot write such an array through a view
+(``Check failed: !is_view``), while a whole-array copy takes any layout, as dist_sync's
+pulls do.
 """
 import pickle
 
@@ -41,6 +49,8 @@ class ServerUpdateStore(KVStoreBase):
         self._keys = keys
         self._params = list(params)
         self._chunks = {}       # parameter index -> [Chunk] of kind 'update'
+        self._weights = {}      # parameter index -> the store's copy of it (its shape)
+        self._pulls = {}        # parameter index -> per Chunk, its span of that copy
         self._sent = None       # the optimizer last sent, pickled
 
     @property
@@ -88,7 +98,13 @@ class ServerUpdateStore(KVStoreBase):
             if v[0].dtype != np.float32:
                 raise ValueError("parameter %s is %s: the servers' route updates float32 "
                                  "weights only" % (self._name(k), np.dtype(v[0].dtype).name))
-            self._chunks[k] = self._keys.update_keys(self._name(k), v[0])
+            # rank 0's keys start from views of the array given here, and MXNet
+            # pulls into them: the store's copy, never a view of the parameter (MXNet
+            # neither sends from nor writes through a view of a oneDNN-layout weight)
+            weights = v[0].copy()
+            self._chunks[k] = self._keys.update_keys(self._name(k), weights)
+            self._weights[k] = weights
+            self._pulls[k] = pull_targets(weights, self._chunks[k])
             self._sent = None       # the new keys' multipliers go with the next send
             self._move(k, None, o, priority)
 
@@ -107,18 +123,23 @@ class ServerUpdateStore(KVStoreBase):
             self._move(k, v, o, priority)
 
     def _move(self, key, values, outs, priority):
-        """Push ``values`` (None: nothing) into parameter ``key``'s pieces and pull the
-        pieces into ``outs``, each piece a view of the flat arrays."""
+        """Push ``values`` (None: nothing; gradients, a view of each per piece) into
+        parameter ``key``'s pieces, pull the pieces into the store's copy of the
+        parameter, and copy that whole into every array of ``outs`` (the parameter's)."""
         chunks = self._chunks[key]
         pskeys = [c.pskey for c in chunks]
-        flat_outs = [o.reshape((-1,)) for o in outs]
-        pulls = [[f[c.layout.lo:c.layout.hi] for f in flat_outs] for c in chunks]
+        pulls = self._pulls[key]
         if values is None:
             self._keys.kv.pull(pskeys, out=pulls, priority=priority)
-            return
-        flat_values = [v.reshape((-1,)) for v in values]
-        pushes = [[f[c.layout.lo:c.layout.hi] for f in flat_values] for c in chunks]
-        self._keys.kv.pushpull(pskeys, pushes, out=pulls, priority=priority)
+        else:
+            # backward writes gradients in MXNet's layout (oneDNN reorders weights
+            # only): their views are safe to push from
+            flat_values = [v.reshape((-1,)) for v in values]
+            pushes = [[f[c.layout.lo:c.layout.hi] for f in flat_values] for c in chunks]
+            self._keys.kv.pushpull(pskeys, pushes, out=pulls, priority=priority)
+        weights = self._weights[key]
+        for o in outs:
+            weights.copyto(o)       # (MXNet's engine runs it after the pulls)
 
     def _name(self, key):
         return self._params[key].name if 0 <= key < len(self._params) else str(key)
@@ -135,6 +156,14 @@ class ServerUpdateStore(KVStoreBase):
 
     def set_gradient_compression(self, compression_params):
         raise ValueError("the servers' route of a hylo store sends dense gradients")
+
+
+def pull_targets(weights, chunks):
+    """Where the servers' weights of each piece land: per Chunk of ``chunks`` (kind
+    'update': elements lo..hi of the flat parameter) the view (hi - lo,) of
+    ``weights``, the store's own copy of the parameter (no array a user reads)."""
+    flat = weights.reshape((-1,))
+    return [flat[c.layout.lo:c.layout.hi] for c in chunks]
 
 
 def _as_lists(key, value, out):
