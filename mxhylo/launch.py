@@ -10,11 +10,24 @@ The job ends when every worker has exited 0 (servers and scheduler then stop by
 themselves), or as soon as a worker fails, any server or the scheduler exits while
 workers still run, --timeout passes, or the launcher gets SIGINT/SIGTERM/SIGHUP.
 Then every process group still alive gets SIGTERM, and SIGKILL after --grace
-seconds; the exit code is non-zero and the last message names the process and why.
+seconds; the exit code is non-zero and the last line names the process, why it
+ended, and its last words: MXNet's check message ("Check failed: ...") when it
+printed one, else its last line. A job whose server or scheduler failed ends
+within 5 s of that failure.
+
+MXNet's start-up race: MXNet 1.9.1's parameter server rarely aborts at start-up, a
+server on "Check failed: !stored.is_none(): init N first" or a worker on "Check
+failed: msg.data.size() >= (size_t)2", when a key is used before rank 0's initial
+value of it is stored. Nothing has trained then, so when the job's first failure
+is one of these, the launcher stops it, says so in one line, and starts the whole
+job again with a fresh scheduler port (unless --port): at most twice, 3 attempts
+in all (--no-relaunch: never). --timeout counts for each attempt; the exit code is
+the last attempt's. (Processes that import mxhylo are not exposed to the race.)
 """
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -34,6 +47,25 @@ ROLES = ("scheduler", "server", "worker")
 SSH_PASSTHROUGH = ("OMP_NUM_THREADS", "KMP_AFFINITY", "LD_LIBRARY_PATH", "DMLC_INTERFACE")
 
 EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT = 1, 2, 124
+
+# A server or the scheduler that dies while workers run leaves them nothing to finish
+# (their next exchange waits forever): the job then ends within this many seconds of
+# the death, whatever --grace says. TEARDOWN_TAIL_S of it is kept, after the SIGTERM
+# grace, for SIGKILL, reaping, the last output and the launcher's own exit.
+DEAD_PEER_END_S = 5.0
+TEARDOWN_TAIL_S = 2.0
+
+# MXNet 1.9.1's start-up race in ps-lite: rarely, a server receives a worker's pull (or
+# pushpull) of a key before rank 0's init of that key is stored there and aborts on
+# the first check below; or a worker gets an empty answer to such a pull and aborts
+# on the second. Either means a key was used before its initial value was stored,
+# which in a Gluon or Module script only happens before that key's first training
+# step (both initialize every key, then pull it, before they train): nothing had
+# trained yet, and starting the job again loses nothing. (role, pattern searched in
+# the text after "Check failed:".)
+STARTUP_RACE = (("server", re.compile(r"^!stored\.is_none\(\):? *init \S+ first")),
+                ("worker", re.compile(r"^msg\.data\.size\(\) >= \(size_t\)2\b")))
+MAX_RELAUNCHES = 2      # so at most 3 attempts in all
 
 # Defaults for server processes, below the shell's own variables, --env and --env-server. A server runs one small
 # operation after another (sums of pushes, hylo's codecs) on its request thread; with
@@ -264,21 +296,64 @@ def sync_dirs(args, log):
                              % (host, procs.describe_returncode(rc)))
 
 
+# ----------------------------------------------------------------------------- failures
+
+def check_message(line):
+    """The text after the last "Check failed:" in a glog line, or None without one."""
+    if line is None or procs.CHECK_MARK not in line:
+        return None
+    return line.rsplit(procs.CHECK_MARK, 1)[1].strip()
+
+
+def last_words(child, limit=300):
+    """What a dead process last said, quoted, for the final message, or None.
+
+    MXNet's check message when it printed one (the stack trace after it says less),
+    else its last non-empty line.
+    """
+    check = check_message(child.last_check)
+    text = procs.CHECK_MARK + " " + check if check is not None else child.last_line
+    if not text:
+        return None
+    text = text.strip()
+    return '"%s"' % (text if len(text) <= limit else text[:limit] + "...")
+
+
+def startup_race(child):
+    """'server 1: "Check failed: ..."' when this failed process hit MXNet's start-up
+    race (see STARTUP_RACE), else None."""
+    if child is None or child.returncode in (None, 0):
+        return None
+    check = check_message(child.last_check)
+    if check is None:
+        return None
+    for role, pattern in STARTUP_RACE:
+        if child.role == role and pattern.search(check):
+            return '%s: "%s %s"' % (child.name, procs.CHECK_MARK, check)
+    return None
+
+
 # ----------------------------------------------------------------------------- running
 
 class Job:
-    """Runs the planned children and decides when and how the job ends."""
+    """Runs the planned children and decides when and how the job ends.
+
+    may_relaunch: the caller starts the job again when it fails by MXNet's start-up
+    race; run() then leaves the failure report out (``race`` says what was seen).
+    """
 
     def __init__(self, children, timeout=None, grace=5.0, shutdown_timeout=30.0,
-                 pid_file=None, out=None, err=None):
+                 pid_file=None, out=None, err=None, may_relaunch=False):
         self.children = children
         self.timeout, self.grace, self.shutdown_timeout = timeout, grace, shutdown_timeout
         self.pid_file = pid_file
         self.out = out or sys.stdout
         self.err = err or sys.stderr
+        self.may_relaunch = may_relaunch
         self.lock = threading.Lock()
         self.stop_signal = None
         self.started = None
+        self.race = None        # startup_race() of the failure that ended the job
 
     def log(self, msg):
         with self.lock:
@@ -382,14 +457,41 @@ class Job:
                     if c.stopped():
                         self.log("%s is stopped (process state T: SIGSTOP or a debugger): "
                                  "it answered no one" % c.describe())
-            procs.teardown(self.children, self.grace, self.log)
-            for p in self.pumps:
-                p.join(timeout=2.0)
+            end_by = self._end_by(verdict[2])
+            procs.teardown(self.children, self._teardown_grace(end_by), self.log)
+            self._join_pumps(end_by)
             for s, h in previous.items():
                 signal.signal(s, h)
+        if verdict[0] == EXIT_FAILED and self.stop_signal is None:
+            self.race = startup_race(verdict[2])
+        if self.race and self.may_relaunch:
+            return verdict[0]           # the caller says so and starts the job again
         return self._report(*verdict)
 
+    def _end_by(self, culprit):
+        """When the job must be over: DEAD_PEER_END_S after a server or the scheduler
+        failed (its workers can only wait for it), else None (no bound)."""
+        if culprit is None or culprit.role == "worker" or culprit.returncode in (None, 0):
+            return None
+        return culprit.exited_at + DEAD_PEER_END_S
+
+    def _teardown_grace(self, end_by):
+        """--grace, cut short so that a job with a dead server still ends by end_by."""
+        if end_by is None:
+            return self.grace
+        return max(0.0, min(self.grace, end_by - TEARDOWN_TAIL_S - time.monotonic()))
+
+    def _join_pumps(self, end_by):
+        """Let the output pumps copy what is left (the processes are gone: their pipes
+        end), for at most 2 s in all, or until shortly before end_by."""
+        deadline = time.monotonic() + 2.0
+        if end_by is not None:
+            deadline = max(time.monotonic() + 0.2, min(deadline, end_by - 0.5))
+        for p in self.pumps:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+
     def _report(self, code, reason, culprit):
+        """Log how the job ended; the last line names the culprit and its last words."""
         elapsed = time.monotonic() - self.started
         if code == 0:
             self.log("job finished OK in %.1f s" % elapsed)
@@ -397,6 +499,11 @@ class Job:
         if culprit is not None and culprit.tail:
             self.log("last output of %s:\n%s" % (
                 culprit.name, "\n".join("    " + l for l in list(culprit.tail)[-10:])))
+        words = last_words(culprit) if culprit is not None else None
+        if words:
+            reason += ": " + words
+        if self.race:
+            reason += " (MXNet's start-up race)"
         self.log("job FAILED after %.1f s: %s" % (elapsed, reason))
         return code
 
@@ -436,7 +543,7 @@ def build_parser():
                    help="scheduler address given to every process: 'auto' (default: the "
                         "host's address, as MXNet's launcher), 'dns', or an address")
     p.add_argument("--port", type=int, default=0,
-                   help="scheduler port (default: a free port)")
+                   help="scheduler port (default: a free port, a new one at each attempt)")
     p.add_argument("--env", action="append", default=[], metavar="NAME[:VALUE]",
                    help="set NAME for every process (to VALUE, or to its value here)")
     p.add_argument("--env-server", action="append", default=[], metavar="NAME:VALUE",
@@ -445,16 +552,23 @@ def build_parser():
     p.add_argument("--env-worker", action="append", default=[], metavar="NAME:VALUE",
                    help="set NAME=VALUE for the workers (overrides DMLC_* too)")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                   help="stop the whole job (exit code 124) after this many seconds")
+                   help="stop the whole job (exit code 124) after this many seconds "
+                        "(counted for each attempt)")
+    p.add_argument("--no-relaunch", action="store_true",
+                   help="end the job on MXNet's start-up race too, instead of starting "
+                        "it again (at most %d times)" % MAX_RELAUNCHES)
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
-                   help="seconds between SIGTERM and SIGKILL at teardown (default 5)")
+                   help="seconds between SIGTERM and SIGKILL at teardown (default 5; "
+                        "after a server or the scheduler failed, less if need be: that "
+                        "job ends within %g s of the failure)" % DEAD_PEER_END_S)
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="how long servers and scheduler may take to exit after all "
                         "workers exited 0 (then they are stopped), and how long workers "
                         "may run on after a server or the scheduler exited 0 (then the "
                         "job fails) (default 30)")
     p.add_argument("--pid-file", metavar="PATH",
-                   help="write {launcher, children: [{name, role, pid, host}]} as JSON here")
+                   help="write {launcher, children: [{name, role, pid, host}]} as JSON here "
+                        "(rewritten at each attempt)")
     p.add_argument("--dry-run", action="store_true",
                    help="print each process's command and DMLC_* environment; start nothing")
     p.add_argument("command", nargs=argparse.REMAINDER,
@@ -480,24 +594,44 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    root_uri = procs.host_ip(args.host_ip)
+def print_plan(children):
+    """--dry-run: each process's command and DMLC_* environment."""
+    for c in children:
+        env = getattr(c, "remote_env", c.env)
+        dmlc = {k: v for k, v in env.items() if k.startswith("DMLC_")}
+        print("%s: %s\n    %s" % (c.name, shlex.join(c.argv), json.dumps(dmlc, sort_keys=True)))
+
+
+def run_attempt(args, root_uri, may_relaunch, first):
+    """Plan and run the job once, on a fresh scheduler port unless --port fixes it.
+
+    Returns (job, exit code); job.race is set when MXNet's start-up race ended it.
+    """
     root_port = args.port or procs.free_port()
-    children = plan_children(args, root_uri, root_port)
-    if args.dry_run:
-        for c in children:
-            env = getattr(c, "remote_env", c.env)
-            dmlc = {k: v for k, v in env.items() if k.startswith("DMLC_")}
-            print("%s: %s\n    %s" % (c.name, shlex.join(c.argv), json.dumps(dmlc, sort_keys=True)))
-        return 0
-    job = Job(children, timeout=args.timeout, grace=args.grace,
-              shutdown_timeout=args.shutdown_timeout, pid_file=args.pid_file)
+    job = Job(plan_children(args, root_uri, root_port), timeout=args.timeout,
+              grace=args.grace, shutdown_timeout=args.shutdown_timeout,
+              pid_file=args.pid_file, may_relaunch=may_relaunch)
     job.log("scheduler at %s:%d; %d worker(s), %d server(s), %s launcher"
             % (root_uri, root_port, args.num_workers, args.num_servers, args.launcher))
-    if args.launcher == "ssh" and args.sync_dst_dir:
+    if first and args.launcher == "ssh" and args.sync_dst_dir:
         sync_dirs(args, job.log)
-    return job.run()
+    return job, job.run()
+
+
+def main(argv=None):
+    """The launcher: run the job, again after MXNet's start-up race; the exit code."""
+    args = parse_args(argv)
+    root_uri = procs.host_ip(args.host_ip)
+    if args.dry_run:
+        print_plan(plan_children(args, root_uri, args.port or procs.free_port()))
+        return 0
+    attempts = 1 if args.no_relaunch else 1 + MAX_RELAUNCHES
+    for attempt in range(1, attempts + 1):
+        job, code = run_attempt(args, root_uri, attempt < attempts, attempt == 1)
+        if not job.race or attempt == attempts:
+            return code
+        job.log("MXNet's start-up race (%s): nothing had trained yet; relaunching "
+                "(attempt %d of %d)" % (job.race, attempt + 1, attempts))
 
 
 if __name__ == "__main__":

@@ -115,6 +115,11 @@ def group_members(pgid):
 
 # ----------------------------------------------------------------------------- children
 
+# How a failed glog CHECK starts its message (MXNet, ps-lite). The line is kept apart
+# from the tail: the stack trace printed after it can be longer than the tail.
+CHECK_MARK = "Check failed:"
+
+
 def _make_pdeathsig():
     """preexec function: the child gets SIGKILL if the launcher dies (Linux prctl).
 
@@ -154,6 +159,8 @@ class Child:
         self.returncode = None      # set once the exit is observed (not yet reaped)
         self.exited_at = None
         self.tail = collections.deque(maxlen=20)
+        self.last_check = None      # the last line with CHECK_MARK it printed
+        self.last_line = None       # the last non-empty line it printed
 
     @property
     def pid(self):
@@ -225,6 +232,14 @@ class Child:
             if self.returncode is None:
                 self.returncode = self.popen.returncode
 
+    def note_output(self, line):
+        """Keep what the failure report needs from one line of output (no newline)."""
+        self.tail.append(line)
+        if line.strip():
+            self.last_line = line
+        if CHECK_MARK in line:
+            self.last_check = line
+
     def stopped(self):
         """True if this local process is stopped (state T: SIGSTOP, a debugger), which
         is how a frozen machine looks to its peers: alive, and answering nobody."""
@@ -258,7 +273,7 @@ class OutputPump(threading.Thread):
         stream = self.child.popen.stdout
         for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", "replace").rstrip("\r\n")
-            self.child.tail.append(line)
+            self.child.note_output(line)
             with self.lock:
                 try:
                     self.sink.write(self.prefix + line + "\n")

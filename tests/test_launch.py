@@ -7,6 +7,7 @@ those pids if one is not.
 """
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -35,11 +36,13 @@ def clean_env(**extra):
     return env
 
 
-def launcher(args, tmp_path, timeout=60, env=None):
-    """argv of a launcher run (with a pid file and a job timeout)."""
+def launcher(args, tmp_path, timeout=60, env=None, grace=3):
+    """argv of a launcher run (with a pid file and a job timeout; grace None: the
+    launcher's default)."""
     pid_file = str(tmp_path / "pids.json")
-    return ([PY, "-m", "mxhylo.launch", "--pid-file", pid_file, "--timeout", str(timeout),
-             "--grace", "3"] + args), pid_file
+    grace_args = [] if grace is None else ["--grace", str(grace)]
+    return ([PY, "-m", "mxhylo.launch", "--pid-file", pid_file, "--timeout", str(timeout)]
+            + grace_args + args), pid_file
 
 
 def started_pids(pid_file):
@@ -49,9 +52,13 @@ def started_pids(pid_file):
 
 def assert_all_gone(pid_file):
     """Every pid the launcher started is gone (or a zombie); kill survivors, then fail."""
-    if not os.path.exists(pid_file):
-        return
-    pids = started_pids(pid_file)
+    if os.path.exists(pid_file):
+        assert_pids_gone(started_pids(pid_file))
+
+
+def assert_pids_gone(pids):
+    """These pids (group leaders) are gone, and their groups empty; kill survivors,
+    then fail."""
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and any(procs.pid_alive(p) for p in pids):
         time.sleep(0.1)
@@ -64,9 +71,9 @@ def assert_all_gone(pid_file):
     assert not alive, "launcher left processes running: %s" % alive
 
 
-def run_launcher(args, tmp_path, timeout=60, env=None):
+def run_launcher(args, tmp_path, timeout=60, env=None, grace=3):
     """Run the launcher to completion; returns (returncode, output, seconds)."""
-    argv, pid_file = launcher(args, tmp_path, timeout)
+    argv, pid_file = launcher(args, tmp_path, timeout, grace=grace)
     t0 = time.monotonic()
     # Not the repository as cwd: python puts the cwd first on sys.path, where it
     # would shadow the (broken) mxhylo a test puts on PYTHONPATH.
@@ -295,7 +302,8 @@ def test_help_documents_itself():
     text = launch.build_parser().format_help()
     assert "usage: python -m mxhylo.launch" in text
     for opt in ("--num-workers", "--num-servers", "--launcher", "--hostfile", "--timeout",
-                "--grace", "--pid-file", "--env-worker", "DMLC_PS_ROOT_URI"):
+                "--grace", "--pid-file", "--env-worker", "DMLC_PS_ROOT_URI",
+                "--no-relaunch", "start-up race"):
         assert opt in text
     text = run.build_parser().format_help()
     assert "usage: python -m mxhylo.run" in text and "--kvstore" in text
@@ -600,3 +608,140 @@ def test_ssh_launcher_end_to_end_with_stand_in_ssh(tmp_path):
          str(tmp_path)], tmp_path, timeout=60)
     assert rc == 0, out
     assert (tmp_path / "params-rank0.npz").exists() and (tmp_path / "params-rank1.npz").exists()
+
+
+# ----------------------------------------------------------------------------- start-up race
+
+FAKE_RACE = os.path.join(REPO, "tests", "launch_scripts", "fake_race.py")
+SERVER_RACE = 'server 0: "Check failed: !stored.is_none(): init 5 first"'
+WORKER_RACE = 'worker 0: "Check failed: msg.data.size() >= (size_t)2 (0 vs. 2)"'
+
+
+def _launched_pids(out):
+    """Every pid of every attempt, from the launcher's "[launch] started ..." lines."""
+    lines = [l for l in out.splitlines() if l.startswith("[launch] started ")]
+    return [int(p) for l in lines for p in re.findall(r" pid (\d+)", l)]
+
+
+def _fake_job(tmp_path, args=(), grace=3, **fake_env):
+    """Run the launcher on tests/launch_scripts/fake_race.py (2 workers, 2 servers).
+
+    Returns (rc, output, attempts, abort walltimes, launcher end walltime); attempts:
+    the scheduler ports, one per attempt. Asserts that no process of any attempt is
+    left when the launcher has returned.
+    """
+    log = tmp_path / "fake.log"
+    argv, _ = launcher(list(args) + ["-n", "2", "-s", "2", PY, FAKE_RACE], tmp_path,
+                       timeout=20, grace=grace)
+    proc = subprocess.run(argv, cwd=str(tmp_path), env=clean_env(FAKE_LOG=str(log), **fake_env),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60)
+    ended = time.time()
+    out = proc.stdout.decode("utf-8", "replace")
+    pids = _launched_pids(out)
+    left = [p for p in pids if procs.pid_alive(p) or procs.group_members(p)]
+    assert_pids_gone(pids)          # (kills what is left)
+    assert pids and not left, "processes left when the launcher returned: %s" % left
+    ports, aborts = [], []
+    for line in log.read_text().splitlines():
+        kind, value, _ = line.split()
+        if kind == "start" and value not in ports:
+            ports.append(value)
+        elif kind == "abort":
+            aborts.append(float(value))
+    return proc.returncode, out, ports, aborts, ended
+
+
+def _last_line(out):
+    return out.strip().splitlines()[-1]
+
+
+def test_startup_race_helpers():
+    """Which failures are the start-up race, and what the final line quotes."""
+    def child(role, name, rc, *lines):
+        c = procs.Child(name, role, ["true"], {})
+        c.returncode, c.exited_at = rc, 0.0
+        for line in lines:
+            c.note_output(line)
+        return c
+    glog = "[16:28:21] ../src/kvstore/kvstore_dist_server.h:611: Check failed: "
+    server = child("server", "server 1", -6, "x", glog + "!stored.is_none(): init 5 first",
+                   "Stack trace:", *["  [bt] (%d)" % i for i in range(30)], "")
+    assert launch.startup_race(server) == \
+        'server 1: "Check failed: !stored.is_none(): init 5 first"'
+    assert launch.last_words(server) == '"Check failed: !stored.is_none(): init 5 first"'
+    kv_app = "kv_app.h:624: Check failed: msg.data.size() >= (size_t)2 (0 vs. 2)"
+    assert launch.startup_race(child("server", "server 0", -6, "Check failed: "
+                                     "!stored.is_none() init 12 first"))   # no ': '
+    assert launch.startup_race(child("worker", "worker 3", 134, kv_app)) == \
+        'worker 3: "Check failed: msg.data.size() >= (size_t)2 (0 vs. 2)"'
+    # the check of the other role, another check, a clean exit, no check: not the race
+    assert launch.startup_race(child("worker", "worker 0", -6, glog + "!stored.is_none(): "
+                                     "init 5 first")) is None
+    assert launch.startup_race(child("server", "server 0", -6, glog + "shape mismatch")) is None
+    assert launch.startup_race(child("worker", "worker 0", 0, kv_app)) is None
+    plain = child("server", "server 0", 1, "Traceback ...", "ImportError: broken", "  ")
+    assert launch.startup_race(plain) is None
+    assert launch.last_words(plain) == '"ImportError: broken"'
+    assert launch.last_words(child("server", "server 0", -9)) is None
+
+
+@pytest.mark.timeout(30)
+def test_startup_race_relaunches_the_job(tmp_path):
+    """The race on the first attempt: one line says so, the second attempt succeeds
+    on a fresh scheduler port. (A worker's race check: test_startup_race_helpers.)"""
+    rc, out, ports, aborts, _ = _fake_job(tmp_path)
+    assert rc == 0, out
+    relaunches = [l for l in out.splitlines() if "relaunching" in l]
+    assert relaunches == ["[launch] MXNet's start-up race (%s): nothing had trained yet; "
+                          "relaunching (attempt 2 of 3)" % SERVER_RACE], out
+    assert len(ports) == 2 and len(aborts) == 1, out
+    assert "job finished OK" in _last_line(out)
+
+
+@pytest.mark.timeout(30)
+def test_startup_race_every_time_gives_up_after_three_attempts(tmp_path):
+    rc, out, ports, aborts, _ = _fake_job(tmp_path, FAKE_FAIL_ATTEMPTS="99")
+    assert rc == launch.EXIT_FAILED, out
+    assert len(ports) == 3 and len(aborts) == 3, out
+    relaunches = [l for l in out.splitlines() if "relaunching" in l]
+    assert [l[-len("(attempt 2 of 3)"):] for l in relaunches] == [
+        "(attempt 2 of 3)", "(attempt 3 of 3)"], out
+    last = _last_line(out)
+    server0 = _launched_pids(out)[-2]      # started: scheduler, workers, then servers
+    assert last.startswith("[launch] job FAILED"), out
+    assert "server 0 (pid %d) was killed by signal SIGABRT" % server0 in last, last
+    assert '"Check failed: !stored.is_none(): init 5 first"' in last, last
+
+
+@pytest.mark.timeout(30)
+def test_no_relaunch_ends_the_job_on_the_race(tmp_path):
+    """--no-relaunch: the race (here a worker's check) ends the job like any failure;
+    the final line names the worker and quotes its check, as it would a server's."""
+    rc, out, ports, aborts, _ = _fake_job(tmp_path, ["--no-relaunch"], FAKE_FAILER="worker")
+    assert rc == launch.EXIT_FAILED, out
+    assert len(ports) == 1 and "relaunching" not in out, out
+    name, check = WORKER_RACE.split(": ", 1)
+    last = _last_line(out)
+    assert last.startswith("[launch] job FAILED") and name + " (pid " in last, last
+    assert last.endswith(": %s (MXNet's start-up race)" % check), last
+
+
+@pytest.mark.timeout(30)
+def test_server_abort_on_other_check_ends_job_within_5s(tmp_path):
+    """A server aborts on another check while workers (ignoring SIGTERM) wait: no
+    relaunch; with the default --grace the job still ends within 5 s of the abort, no
+    process is left, and the last line names the server and its check message."""
+    rc, out, ports, aborts, ended = _fake_job(
+        tmp_path, grace=None, FAKE_CHECK="something else", FAKE_IGNORE_TERM="1")
+    assert rc == launch.EXIT_FAILED, out
+    assert len(ports) == 1 and len(aborts) == 1 and "relaunching" not in out, out
+    last = _last_line(out)
+    assert last.startswith("[launch] job FAILED") and "server 0 (pid " in last, last
+    assert last.endswith('while workers were still running: "Check failed: something '
+                         'else"'), last
+    # The workers ignored SIGTERM: teardown cut --grace short to keep the 5 s bound.
+    graces = re.findall(r"did not stop within (\d+) s of SIGTERM", out)
+    assert graces and all(int(g) < launch.DEAD_PEER_END_S for g in graces), out
+    after_abort = ended - aborts[0]
+    print("server abort -> launcher returned in %.2f s" % after_abort)
+    assert after_abort < 15, out
