@@ -2,11 +2,16 @@
 
     python eval_then_train.py STORE OUT     (a worker of a parameter-server job)
 
-STORE: 'dist_sync' (MXNet's own store; mxhylo imported unless NO_MXHYLO=1 is set) or
-'hylo' (mxhylo.create(), server_update=False). The net is evaluated once (an inference
-forward, which leaves its convolution weights in oneDNN's own layout), then the Trainer
-(update_on_kvstore=False) checkpoints its state before the first step, which sends the
-parameters to the servers, then trains 3 steps. Writes OUT.<rank>.npz: every parameter.
+STORE: 'dist_sync' (MXNet's own store; mxhylo imported unless NO_MXHYLO=1 is set),
+'hylo' (mxhylo.create(server_update=False): the optimizer on the workers) or
+'hylo_servers' (server_update=True: on the servers). The net is evaluated once (an
+inference forward, which leaves its convolution weights in oneDNN's own layout), then
+the Trainer sends the parameters to the servers before its first step (a checkpoint
+of its state where the optimizer runs on the workers, else its first step), then
+trains 3 steps. The first step's input waits behind a large matrix product, so that
+Python queues the whole step, the parameters' initial push included, before its
+forward runs (the forward is what would queue oneDNN's layout change back). Writes
+OUT.<rank>.npz: every parameter.
 """
 import os
 import sys
@@ -28,14 +33,21 @@ net.initialize(mx.init.Xavier())
 x = mx.nd.random.uniform(shape=(8, 1, 8, 8))
 y = mx.nd.array(np.arange(8) % 10)
 net(x).argmax(axis=1).asnumpy()            # accuracy before training
-kv = mx.kv.create("dist_sync") if store == "dist_sync" else mxhylo.create(server_update=False)
-trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
-                        kvstore=kv, update_on_kvstore=False)
-trainer.save_states(out + ".%d.states" % kv.rank)   # a checkpoint before training
+if store == "dist_sync":
+    kv = mx.kv.create("dist_sync")
+else:
+    kv = mxhylo.create(server_update=store == "hylo_servers")
+on_workers = store != "hylo_servers"
+trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore=kv,
+                        update_on_kvstore=False if on_workers else None)
+if on_workers:
+    trainer.save_states(out + ".%d.states" % kv.rank)   # a checkpoint before training
 loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-for _ in range(3):
+big = mx.nd.ones((1024, 1024))
+hold = mx.nd.dot(mx.nd.dot(big, big), big).sum() * 0       # about 0.1-0.5 s of work
+for step in range(3):
     with autograd.record():
-        loss = loss_fn(net(x), y)
+        loss = loss_fn(net(x + hold if step == 0 else x), y)
     loss.backward()
     trainer.step(8 * kv.num_workers)
 np.savez(out + ".%d.npz" % kv.rank,
