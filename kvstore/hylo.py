@@ -496,7 +496,14 @@ class Hylo(KVStoreBase):
     def attach_trainer(self, trainer):
         """Called when a gluon.Trainer takes this store: its parameter names name the
         int keys (parameter indices) from then on, for the policy's regexes, stats()
-        and errors. A store serves one Trainer (keys are that Trainer's indices)."""
+        and errors. A store serves one Trainer (keys are that Trainer's indices): a
+        second one gets an error that says so, not a key clash at its first step."""
+        attached = self._trainer() if self._trainer is not None else None
+        if attached is not None and attached is not trainer:
+            raise ValueError(
+                "this hylo store already serves another gluon.Trainer; a hylo store "
+                "serves one Trainer (its keys are that Trainer's parameter indices): "
+                "train these parameters with the first Trainer")
         self._trainer = weakref.ref(trainer)
 
     def route_for(self, trainer):
