@@ -1,20 +1,21 @@
-"""One user script (tests/user_scripts/train_eval.py: a small Gluon conv net on the
-digits, trained a few steps, evaluated, its Trainer's states saved) run as real
-multi-process jobs, the ways users start them:
+"""One user script (tests/user_scripts/train_eval.py: a small Gluon conv net on a
+synthetic image set, trained 3 steps, evaluated, its Trainer's states saved) run as
+real multi-process jobs of 2 workers (and 1 server where there are servers), the ways
+users start them:
 
-* hylo over the parameter server:   python -m mxhylo.launch -n 2 -s S python SCRIPT
+* hylo over the parameter server:   python -m mxhylo.launch -n 2 -s 1 python SCRIPT
 * hylo over Horovod:                horovodrun -np 2 -H localhost:2 --gloo python SCRIPT
-* MXNet's dist_sync, unmodified:    python -m mxhylo.launch -n 2 -s S
+* MXNet's dist_sync, unmodified:    python -m mxhylo.launch -n 2 -s 1
                                         python -m mxhylo.run --kvstore dist_sync SCRIPT
 
-The user-script matrix: a pairwise cover of the ways a script builds its net, store
-and Trainer, and of the route the store takes; every case trains 2 workers in step
-(bitwise equal parameters) and save_states either works or, where the Trainer's
-optimizer runs on the parameter servers, says why it cannot.
-
-The start-up soak: many short launches in a row, 2 workers + 2 servers, while two
-busy loops load both cores; every launch must end well (10 launches, 100 with
---runslow).
+The cases are a pairwise cover of the ways a script builds its net, store and Trainer,
+of the route the store takes and of hylo's cost model (FACTORS). Each case is one
+launch of the start-up soak too: every launch runs while two busy loops load both
+cores, without the launcher's relaunch, and must end with rc 0 and both workers'
+trained parameters bitwise equal; and as a matrix case, evaluate, and have
+save_states either work or, where the Trainer's optimizer runs on the parameter
+servers, say why it cannot. The default run launches each case once (10 launches);
+--runslow launches the whole list 10 times (100 launches).
 
 Every job has a timeout (the launcher's own and one on the whole command), the
 launcher and horovodrun pick free ports, all files go to the test's temporary
@@ -42,6 +43,7 @@ HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 PY = sys.executable
 
 JOB_TIMEOUT_S = 150          # the launcher's --timeout; the whole command gets 60 s more
+STEPS = 3
 
 # The launcher may start a job again when it fails by MXNet's start-up race; the soak
 # measures start-up itself, so it turns that off with this flag (used only where this
@@ -81,15 +83,15 @@ def _processes_mentioning(text):
     return pids
 
 
-def job_command(how, servers, script_args, no_relaunch=False):
+def job_command(how, script_args):
     """The command line of a 2-worker job: how = 'ps' (hylo over the parameter
-    server), 'horovod' (hylo over Horovod) or 'run' (dist_sync under mxhylo.run)."""
+    server), 'horovod' (hylo over Horovod) or 'run' (dist_sync under mxhylo.run); 1
+    server where there are servers, no relaunch."""
     if how == "horovod":
         return [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", PY, SCRIPT] + \
             script_args
-    cmd = [PY, "-m", "mxhylo.launch", "-n", "2", "-s", str(servers),
-           "--timeout", str(JOB_TIMEOUT_S)]
-    if no_relaunch and LAUNCH_HAS_NO_RELAUNCH:
+    cmd = [PY, "-m", "mxhylo.launch", "-n", "2", "-s", "1", "--timeout", str(JOB_TIMEOUT_S)]
+    if LAUNCH_HAS_NO_RELAUNCH:
         cmd.append(NO_RELAUNCH)
     if how == "run":
         return cmd + [PY, "-m", "mxhylo.run", "--kvstore", "dist_sync", SCRIPT,
@@ -97,12 +99,12 @@ def job_command(how, servers, script_args, no_relaunch=False):
     return cmd + [PY, SCRIPT] + script_args
 
 
-def run_job(tmp_path, how, script_args, servers=1, no_relaunch=False):
+def run_job(tmp_path, how, script_args):
     """Run the job; returns (exit code, output, both workers' reports or None). The
     job's processes are all ended before this returns: its process group on timeout,
     and any process still naming the job's directory (each by pid)."""
     out = str(tmp_path / "report-{rank}.json")
-    cmd = job_command(how, servers, script_args + ["--out", out], no_relaunch)
+    cmd = job_command(how, script_args + ["--out", out])
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     leftover = []
@@ -149,40 +151,61 @@ def assert_workers_identical(reports):
             "the workers' trained parameters differ (%s): %s" % (key, reports))
 
 
-# -- the user-script matrix --------------------------------------------------------------
+# -- the cases ---------------------------------------------------------------------------
 
 # how: the launch (see job_command).
-# route: where the Trainer's optimizer runs and what is compressed, forced by a hylo
-#   store's options: 'servers' (server_update=True), 'workers' (server_update=False,
-#   size_threshold=64 and no warm-up: this net's conv and dense weights compressed),
-#   'workers_none' (server_update=False, nothing compressed); 'measured': the store's
-#   defaults choose (a kvstore string gives Gluon's Trainer no options); 'dist_sync':
-#   MXNet's store, whose optimizer runs on the servers unless update_on_kvstore=False.
+# route: where the Trainer's optimizer runs, by a hylo store's server_update option:
+#   'servers' (True), 'workers' (False, with size_threshold=64 and no warm-up: this
+#   net's conv and dense weights compressed), 'auto' (the store chooses: both routes
+#   timed with the cost model; the workers without it, and where the servers cannot
+#   update: no servers (Horovod), update_on_kvstore=False; a kvstore string gives
+#   Gluon's Trainer no options, so always this); 'dist_sync': MXNet's store, whose
+#   optimizer runs on the servers unless update_on_kvstore=False.
+# cost_model: hylo's option: 'auto' (its default: on over the parameter server and
+#   Horovod, unless options make the plan explicit, as the 'workers' route's
+#   size_threshold does) or 'off' (cost_model=False).
+# update_on_kvstore: the Trainer's argument: unset, False, or True (dist_sync only: a
+#   hylo store takes no optimizer, and Gluon refuses True).
+# init: a forward before the Trainer is made ('zero_batch'), or none ('deferred').
 FACTORS = {
     "how": ("ps", "horovod", "run"),
-    "route": ("servers", "workers", "workers_none", "measured", "dist_sync"),
+    "route": ("servers", "workers", "auto", "dist_sync"),
+    "cost_model": ("auto", "off"),
     "store": ("object", "string"),
-    "update_on_kvstore": ("unset", "false"),
+    "update_on_kvstore": ("unset", "false", "true"),
     "hybridize": (False, True),
     "batchnorm": (False, True),
     "init": ("zero_batch", "deferred"),
+    # (no two Trainers on one store: a hylo store serves one; the second raises ValueError)
 }
 
 HYLO_ROUTE_OPTIONS = {
     "servers": {"server_update": True},
     "workers": {"server_update": False, "size_threshold": 64, "warmup_steps": 0},
-    "workers_none": {"server_update": False, "policy": {".*": "none"}},
+    "auto": {},
 }
+
+# update_on_kvstore=True makes explicit what dist_sync does with it unset: one
+# combination, not crossed with the other factors (crossed, the cover would need 11
+# cases, one launch more than the default run's 10).
+UPDATE_ON_KVSTORE_TRUE = {"how": "run", "store": "object", "init": "deferred",
+                          "hybridize": False, "batchnorm": False}
 
 
 def feasible(case):
-    """Whether a combination of FACTORS is a job a user can run."""
+    """Whether a combination of FACTORS is a job to launch."""
     if (case["how"] == "run") != (case["route"] == "dist_sync"):
         return False                    # dist_sync runs under mxhylo.run only
+    if case["route"] == "dist_sync" and case["cost_model"] != "auto":
+        return False                    # (no hylo option there)
+    if case["update_on_kvstore"] == "true":
+        return all(case[k] == v for k, v in UPDATE_ON_KVSTORE_TRUE.items())
     if case["route"] == "dist_sync":
         return True
-    if (case["store"] == "string") != (case["route"] == "measured"):
+    if case["store"] == "string" and not (case["route"] == case["cost_model"] == "auto"):
         return False                    # only a store object carries options
+    if case["route"] == "workers":
+        return case["cost_model"] == "auto"   # its explicit options keep the model off
     if case["route"] == "servers":
         # Horovod has no servers; update_on_kvstore=False keeps the optimizer on the
         # workers (server_update=True then refuses)
@@ -218,22 +241,30 @@ def pairwise_cases(factors, allowed):
 
 
 CASES = pairwise_cases(FACTORS, feasible)
+REPEATS_SLOW = 10          # --runslow: the case list this many times (100 launches)
 
 
 def case_id(case):
-    return "-".join([case["how"], case["route"], case["store"],
-                     "uok_" + case["update_on_kvstore"],
+    return "-".join([case["how"], case["route"], "cost_" + case["cost_model"],
+                     case["store"], "uok_" + case["update_on_kvstore"],
                      "hybrid" if case["hybridize"] else "imperative",
                      "bn" if case["batchnorm"] else "nobn", case["init"]])
 
 
-def case_args(case, steps=6):
+def hylo_options(case):
+    options = dict(HYLO_ROUTE_OPTIONS[case["route"]])
+    if case["cost_model"] == "off":
+        options["cost_model"] = False
+    return options
+
+
+def case_args(case):
     args = ["--store", case["store"], "--update-on-kvstore", case["update_on_kvstore"],
-            "--steps", str(steps)]
+            "--steps", str(STEPS)]
     if case["how"] == "run":
         pass                            # (job_command gives --kvstore dist_sync)
     elif case["store"] == "object":
-        args += ["--hylo-options", json.dumps(HYLO_ROUTE_OPTIONS[case["route"]])]
+        args += ["--hylo-options", json.dumps(hylo_options(case))]
     if case["hybridize"]:
         args.append("--hybridize")
     if case["batchnorm"]:
@@ -248,35 +279,96 @@ def test_the_cases_cover_every_feasible_pair():
     wanted = set().union(*(_pairs(c) for c in combos if feasible(c)))
     assert wanted == set().union(*map(_pairs, CASES))
     assert all(feasible(c) for c in CASES)
-    # the least there can be: hylo over the parameter server needs 5 (one per route,
-    # and the servers' route twice, with and without BatchNorm), Horovod 3 (its 3
-    # routes), dist_sync 2 (update_on_kvstore unset and False)
+    # the least there can be: the servers' route 2 (with BatchNorm and without), the
+    # workers' route 2 (over the parameter server and over Horovod), the store's
+    # choice 3 (a kvstore string over each, and cost_model=False over Horovod, where
+    # it has no other route), dist_sync 3 (update_on_kvstore unset, False, True)
     assert len(CASES) == 10
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_user_script(tmp_path, case):
-    """rc 0, both workers' trained parameters bitwise equal, an accuracy; save_states
-    saves, except where the Trainer's optimizer runs on the servers, where it raises
-    the store's error naming why (the same text whatever the net)."""
+def test_the_cases_cover_the_soak():
+    """The launches spread over every Trainer construction, launch and cost model
+    setting the start-up soak asks for."""
+    for factor in ("how", "store", "update_on_kvstore", "init", "cost_model"):
+        assert {c[factor] for c in CASES} == set(FACTORS[factor]), factor
+    hylo = [c for c in CASES if c["how"] != "run"]
+    assert {c["cost_model"] for c in hylo} == {"auto", "off"}
+    assert any(c["cost_model"] == "auto" and c["store"] == "string" for c in hylo)
+
+
+# -- the launches, under load ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def both_cores_busy():
+    """Two busy loops at normal priority while this module's launches run, each ended
+    by its pid at teardown (a failed test included)."""
+    procs = []
+    try:
+        for _ in range(2):
+            procs.append(subprocess.Popen([PY, BUSY, str(3 * 3600)],
+                                          stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL))
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def _launches():
+    """Each case once (the default run), then --runslow's further repeats of the list."""
+    params = []
+    for repeat in range(REPEATS_SLOW):
+        for i, case in enumerate(CASES):
+            launch = repeat * len(CASES) + i
+            params.append(pytest.param(case, marks=[pytest.mark.slow] if repeat else [],
+                                       id="launch%03d-%s" % (launch, case_id(case))))
+    return params
+
+
+def expected_on_servers(case):
+    """Whether the Trainer's optimizer must run on the servers; None: the store's
+    measurement chooses."""
+    if case["route"] == "dist_sync":
+        return case["update_on_kvstore"] != "false"
+    if case["route"] != "auto":
+        return case["route"] == "servers"
+    if case["how"] == "ps" and case["update_on_kvstore"] == "unset" and \
+            case["cost_model"] == "auto":
+        return None
+    return False        # no servers, update_on_kvstore=False, or no cost model
+
+
+@pytest.mark.parametrize("case", _launches())
+def test_user_script_under_load(tmp_path, both_cores_busy, case):
+    """Launched with both cores loaded: rc 0 (no relaunch), both workers' trained
+    parameters bitwise equal, an accuracy from the evaluation forward, the route and
+    cost model the options ask for; save_states saves, except where the Trainer's
+    optimizer runs on the servers, where it raises the store's error naming why (the
+    same text whatever the net)."""
     rc, text, reports = run_job(tmp_path, case["how"], case_args(case))
-    assert rc == 0 and reports, failure_text(rc, text)
+    assert all(p.poll() is None for p in both_cores_busy), "a busy loop ended"
+    assert rc == 0 and reports, "%s %s: %s" % (case["how"], " ".join(case_args(case)),
+                                               failure_text(rc, text))
     assert_workers_identical(reports)
+    want_on_servers = expected_on_servers(case)
     for report in reports:
         assert isinstance(report["accuracy"], float) and 0 <= report["accuracy"] <= 1
-        on_servers = report["update_on_kvstore"][0]
-        if case["route"] == "servers":
-            assert on_servers, report
-        elif case["route"] == "dist_sync":
-            assert on_servers == (case["update_on_kvstore"] == "unset"), report
-        elif case["route"] != "measured":           # 'measured': whatever was chosen
-            assert not on_servers, report
+        on_servers = report["update_on_kvstore"]
+        if want_on_servers is not None:
+            assert on_servers == want_on_servers, report
         if case["how"] != "run":
-            if case["route"] in ("workers", "workers_none"):
-                policies = report["policies"]
-                compressed = [n for n, s in policies.items() if s != "none"]
-                assert bool(compressed) == (case["route"] == "workers"), policies
-        saved = report["save_states"][0]
+            assert report["route"]["route"] == ("servers" if on_servers else "workers"), \
+                report
+            assert report["cost_model"] == (case["cost_model"] == "auto" and
+                                            case["route"] != "workers"), report
+            if "policies" in report:
+                compressed = [n for n, s in report["policies"].items() if s != "none"]
+                # size_threshold=64 compresses the conv and dense weights; the
+                # default threshold is above every layer of this net
+                assert bool(compressed) == (case["route"] == "workers"), report
+        saved = report["save_states"]
         if not on_servers:
             assert saved == {"ok": True}, saved
             continue
@@ -286,63 +378,3 @@ def test_user_script(tmp_path, case):
         assert saved["message"] == want_text, saved
         if case["how"] != "run":
             assert HYLO_SERVERS_PHRASE in saved["message"]
-
-
-# -- the start-up soak ---------------------------------------------------------------------
-
-SOAK_LAUNCHES = 10                # the default run
-SOAK_LAUNCHES_SLOW = 100          # with --runslow
-SOAK_STEPS = 2
-
-# Spread over the launches in turn: (how, the script's arguments).
-SOAK_CONFIGS = [
-    # hylo over the parameter server, every default (cost model on, route measured)
-    ("ps", ["--store", "object"]),
-    ("ps", ["--store", "string", "--update-on-kvstore", "false"]),
-    ("ps", ["--store", "object", "--deferred-init", "--hybridize"]),
-    ("ps", ["--store", "object", "--hylo-options", '{"cost_model": false}', "--batchnorm"]),
-    # two Trainers on one hylo store, each with half of the net's parameters
-    ("ps", ["--store", "object", "--two-trainers", "--update-on-kvstore", "false"]),
-    ("ps", ["--store", "object", "--two-trainers", "--hylo-options",
-            '{"cost_model": false}']),
-    # MXNet's dist_sync under mxhylo.run: update_on_kvstore unset, True, False
-    ("run", ["--store", "string", "--batchnorm"]),
-    ("run", ["--store", "object", "--update-on-kvstore", "true", "--deferred-init"]),
-    ("run", ["--store", "object", "--update-on-kvstore", "false", "--hybridize"]),
-    # hylo over Horovod (cost model on: its defaults)
-    ("horovod", ["--store", "object", "--deferred-init"]),
-]
-
-
-@pytest.fixture(scope="class")
-def both_cores_busy():
-    """Two busy loops at normal priority for the soak's duration, ended by pid."""
-    procs = [subprocess.Popen([PY, BUSY, str(3 * 3600)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL) for _ in range(2)]
-    try:
-        yield [p.pid for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGKILL)
-            p.wait()
-
-
-def _soak_params():
-    marks = lambda i: [pytest.mark.slow] if i >= SOAK_LAUNCHES else []
-    return [pytest.param(i, marks=marks(i), id="launch%03d-%s" % (
-        i, SOAK_CONFIGS[i % len(SOAK_CONFIGS)][0])) for i in range(SOAK_LAUNCHES_SLOW)]
-
-
-@pytest.mark.usefixtures("both_cores_busy")
-class TestStartupUnderLoad:
-    @pytest.mark.parametrize("launch", _soak_params())
-    def test_launch_trains_in_step(self, tmp_path, launch):
-        """A short job (2 workers + 2 servers, 2 steps, an evaluation) started with
-        both cores loaded ends with rc 0 and bitwise equal workers."""
-        how, args = SOAK_CONFIGS[launch % len(SOAK_CONFIGS)]
-        rc, text, reports = run_job(tmp_path, how, args + ["--steps", str(SOAK_STEPS)],
-                                    servers=2, no_relaunch=True)
-        assert rc == 0 and reports, "launch %d (%s %s): %s" % (
-            launch, how, " ".join(args), failure_text(rc, text))
-        assert_workers_identical(reports)
