@@ -124,6 +124,20 @@ def _as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
+def plan_options_given(policy, size_threshold, conv_rate, compress_pull, distributed):
+    """The options among these that a user set to something other than its default:
+    names, in order. They fix the plan as given (the cost model, with
+    cost_model='auto', then leaves it alone); an option given at its default value
+    behaves as the default."""
+    given = (("policy", bool(policy)),
+             ("size_threshold", size_threshold is not None
+              and size_threshold != DEFAULT_SIZE_THRESHOLD),
+             ("conv_rate", conv_rate is not None),
+             ("compress_pull", compress_pull_mode(compress_pull, distributed)
+              != compress_pull_mode("auto", distributed)))
+    return [name for name, differs in given if differs]
+
+
 def _steps_option(name, value, default):
     """A count of steps given as option ``name``: ``default`` for None, else a
     non-negative int (an error naming the option otherwise)."""
@@ -167,7 +181,8 @@ class Hylo(KVStoreBase):
         'local', 'ps' or 'horovod' (ring allreduce and allgather, no servers, no
         compressed pull: kvstore.transport_horovod).
       cost_model: 'auto' (default: over the parameter server and over Horovod, unless
-        policy, size_threshold, conv_rate or compress_pull is given, which then rule alone),
+        policy, size_threshold, conv_rate or compress_pull is given a value other than
+        its default, which then rule alone; a default given explicitly is the default),
         True, or False. At start-up the workers time dense exchanges of two probe sizes
         and rank 0 times the codecs; a layer the policy would compress travels dense
         where the model predicts compression does not save at least 10% of its
@@ -228,20 +243,19 @@ class Hylo(KVStoreBase):
         if cost_model not in ("auto", True, False):
             raise ValueError("cost_model must be 'auto', True or False, got %r"
                              % (cost_model,))
-        explicit = [name for name, given in (
-            ("policy", policy is not None), ("size_threshold", size_threshold is not None),
-            ("conv_rate", conv_rate is not None), ("compress_pull", compress_pull != "auto"))
-            if given]
+        if transport == "auto":
+            transport = "ps" if os.environ.get("DMLC_ROLE") == "worker" else \
+                "horovod" if launched_by_horovodrun() else "local"
+        distributed = transport == "ps"
+        explicit = plan_options_given(policy, size_threshold, conv_rate, compress_pull,
+                                      distributed)
         if size_threshold is None:
             size_threshold = DEFAULT_SIZE_THRESHOLD
         self.policy = LayerPolicy(size_threshold=size_threshold, conv_rate=conv_rate,
                                   policy=policy, max_conv_rate=max_conv_rate,
                                   min_conv_rate=min_conv_rate, threshold_scale=threshold_scale)
         self.compressors = make_compressors(threshold_scale)
-        if transport == "auto":
-            transport = "ps" if os.environ.get("DMLC_ROLE") == "worker" else \
-                "horovod" if launched_by_horovodrun() else "local"
-        self.compress_pull = compress_pull_mode(compress_pull, distributed=transport == "ps")
+        self.compress_pull = compress_pull_mode(compress_pull, distributed=distributed)
         if momentum_correction not in ("auto", True, False):
             raise ValueError("momentum_correction must be 'auto', True or False, got %r"
                              % (momentum_correction,))

@@ -407,3 +407,18 @@ def test_empty_residual_checkpoint_round_trips(tmp_path):
     other = mxhylo.create()
     other.load_residuals(str(tmp_path / "empty"))
     assert other.memory.names() == []
+
+
+def test_options_given_at_their_default_values_behave_as_the_defaults():
+    """Only an option set to something other than its default fixes the plan (and with
+    cost_model='auto' leaves the cost model out): size_threshold=8192, compress_pull
+    'gather' over the parameter server, an empty policy are the defaults."""
+    from mxhylo.kvstore.hylo import plan_options_given
+    from mxhylo.kvstore.policy import DEFAULT_SIZE_THRESHOLD
+    assert plan_options_given(None, None, None, "auto", True) == []
+    assert plan_options_given({}, DEFAULT_SIZE_THRESHOLD, None, "gather", True) == []
+    assert plan_options_given(None, None, None, False, False) == []   # in one process
+    assert plan_options_given(None, 1024, None, "auto", True) == ["size_threshold"]
+    assert plan_options_given({".*": "none"}, None, 0.05, False, True) == \
+        ["policy", "conv_rate", "compress_pull"]
+    assert plan_options_given(None, None, None, "gather", False) == ["compress_pull"]

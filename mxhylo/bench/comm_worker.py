@@ -160,9 +160,15 @@ class HyloPullMode(HyloMode):
 
 
 class HyloGatherMode(HyloMode):
-    """hylo_gather: hylo with compress_pull='gather' (the default): the servers return
-    the workers' own payloads gathered; exact, about W times the pushed bytes."""
+    """hylo_gather: hylo with compress_pull='gather' (the default) and no cost model
+    (every layer as the policy plans it): the servers return the workers' own
+    payloads gathered; exact, about W times the pushed bytes."""
     compress_pull = "gather"
+
+    def __init__(self, cfg):
+        cfg = dict(cfg, hylo_options=dict(cfg.get("hylo_options") or {}))
+        cfg["hylo_options"].setdefault("cost_model", False)
+        super().__init__(cfg)
 
 
 class HyloPull2BitMode(HyloMode):
