@@ -12,6 +12,8 @@ import mxnet as mx
 import numpy as np
 import pytest
 
+from proc_helpers import processes_mentioning
+
 import mxhylo
 from mxhylo.kvstore.compressors import make_compressors
 from mxhylo.kvstore.memory import ResidualMemory
@@ -145,19 +147,6 @@ def test_compressed_pull_and_server_state_are_refused():
 
 # -- two Horovod processes ---------------------------------------------------------------
 
-def _processes_mentioning(text):
-    pids = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit() and int(pid) != os.getpid():
-            try:
-                with open("/proc/%s/cmdline" % pid, "rb") as f:
-                    if text.encode() in f.read():
-                        pids.append(int(pid))
-            except OSError:
-                pass
-    return pids
-
-
 def horovodrun(mode, out_dir, timeout=120, prefix=()):
     """Run [prefix...] tests/hvd_worker.py MODE in 2 Horovod processes; returns the
     output. horovodrun picks its own free port; the whole process group is killed on
@@ -179,7 +168,7 @@ def horovodrun(mode, out_dir, timeout=120, prefix=()):
             r"terminate|what\(\)|Error|error|Abort|enforce|Traceback", line)]
         pytest.fail("horovodrun %s exited with %d; error lines:\n%s\n--- tail:\n%s"
                     % (mode, proc.returncode, "\n".join(errors[:40]), out[-3000:]))
-    assert _processes_mentioning(str(out_dir)) == [], "processes of the job outlived it"
+    assert processes_mentioning(str(out_dir)) == [], "processes of the job outlived it"
     return out
 
 

@@ -33,6 +33,8 @@ import time
 
 import pytest
 
+from proc_helpers import processes_mentioning
+
 from mxhylo import launch as mxhylo_launch
 from mxhylo.kvstore.server_route import ServerUpdateStore
 
@@ -69,19 +71,6 @@ DIST_SYNC_ERROR = ("AssertionError", "Cannot save states for distributed trainin
 
 
 # -- running a job -------------------------------------------------------------------------
-
-def _processes_mentioning(text):
-    pids = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit() and int(pid) != os.getpid():
-            try:
-                with open("/proc/%s/cmdline" % pid, "rb") as f:
-                    if text.encode() in f.read():
-                        pids.append(int(pid))
-            except OSError:
-                pass
-    return pids
-
 
 def job_command(how, script_args):
     """The command line of a 2-worker job: how = 'ps' (hylo over the parameter
@@ -120,7 +109,7 @@ def run_job(tmp_path, how, script_args):
             proc.wait()
         deadline = time.time() + 10         # (a process may still be exiting)
         while time.time() < deadline:
-            leftover = _processes_mentioning(str(tmp_path) + os.sep)
+            leftover = processes_mentioning(str(tmp_path) + os.sep)
             if not leftover:
                 break
             time.sleep(0.2)
