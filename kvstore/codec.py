@@ -63,14 +63,10 @@ def undo_encode(compressor, payload, grad, residual):
 
 class Compressor:
     """Interface of a codec. ``name`` is the strategy name the policy uses; ``wire``
-    how its payload travels (module docstring). The constructor takes the store's
-    threshold_scale, which a codec may ignore."""
+    how its payload travels (module docstring)."""
     name = None
     wire = "dense"
     scalars = 0         # 'slots' codecs: header values every payload carries
-
-    def __init__(self, threshold_scale=1.0):
-        pass
 
     def encode(self, plan, grad, memory):
         """Encode NDArray ``grad`` of layer ``plan`` -> Payload; updates ``memory``."""
@@ -99,10 +95,3 @@ class Compressor:
         ``data`` (uint8 numpy, at least byte_span(0, size)[1] of them) and its header
         ``scalars`` (the payload's own, as travelled: float32)."""
         raise NotImplementedError
-
-    def zero_sent(self, payload, values, out):
-        """``out[:] = values`` with every element the payload sent set to 0 (float32
-        NDArrays of the payload's shape; momentum factor masking). Sent: decoded != 0."""
-        sent = mx.nd.zeros(values.shape, ctx=values.context, dtype=np.float32)
-        self.decode(payload, sent)
-        mx.nd.elemwise_mul(values, sent == 0, out=out)

@@ -8,8 +8,6 @@ payload into a dense float32 array, so a receiver aggregates any number of paylo
 
 CODECS is the registry (a new codec: one file and one entry there); make_compressors()
 builds it: the policy's strategy names -> instances.
-PullEncoder runs the same codecs on an aggregate, with residuals of its own (the
-compressed pull).
 """
 import mxnet as mx
 import numpy as np
@@ -17,8 +15,7 @@ import numpy as np
 from .. import ops
 from .codec import Compressor, Payload, undo_encode, raise_non_finite
 from .codec_fp16 import Float16
-from .memory import Owed, ResidualMemory
-from .policy import LayerPlan
+from .memory import Owed
 
 
 class NoCompression(Compressor):
@@ -41,8 +38,7 @@ class NoCompression(Compressor):
 class TwoBit(Compressor):
     """Fully connected layers: every element as {-v, 0, +v} in 2 bits, error feedback.
 
-    Threshold: an element of a = g + r is sent where |a| >= t, t = threshold_scale *
-    mean(|a|). The mean is a by-product of the quantization pass (ops.quantize_2bit
+    Threshold: an element of a = g + r is sent where |a| >= t, t = mean(|a|). The mean is a by-product of the quantization pass (ops.quantize_2bit
     returns sum |a|), so step s quantizes with the mean measured at step s-1; the very
     first step measures it with ops.l1_stats.
     Value: the sent elements travel as +-v, v = the mean |a| of those elements, measured
@@ -57,9 +53,6 @@ class TwoBit(Compressor):
     wire = "slots"
     scalars = 1         # the value sent
 
-    def __init__(self, threshold_scale=1.0):
-        self.threshold_scale = float(threshold_scale)
-
     def _threshold(self, stats, plan):
         total, bad = (float(v) for v in stats.asnumpy())
         if bad:
@@ -67,7 +60,7 @@ class TwoBit(Compressor):
         return self._scaled(total, plan)
 
     def _scaled(self, total, plan):
-        t = self.threshold_scale * total / max(plan.size, 1)
+        t = total / max(plan.size, 1)
         # An all-zero layer has mean 0; any positive threshold then sends all zeros.
         return max(t, float(np.finfo(np.float32).tiny))
 
@@ -139,58 +132,12 @@ class ConvTopK(Compressor):
         indices, values = payload.arrays
         ops.scatter_kernels(indices, values, payload.shape, out=out, accumulate=accumulate)
 
-    def zero_sent(self, payload, values, out):
-        """Every element of a sent filter counts as sent (one pass, no decode)."""
-        indices = payload.arrays[0]
-        filters = payload.shape[0]
-        if not indices.size:
-            out[:] = values
-            return
-        keep = 1 - mx.nd.one_hot(indices, filters).sum(axis=0)     # (filters,) 0 or 1
-        mx.nd.broadcast_mul(values.reshape((filters, -1)), keep.reshape((filters, 1)),
-                            out=out.reshape((filters, -1)))
-
-
-class PullEncoder:
-    """Error feedback for an aggregate on its way back (compress_pull 'layer' / '2bit'):
-    encodes aggregates with a residual each, on the servers (kvstore.server) or, in one
-    process, in the store (kvstore.transport_local).
-
-    The codecs are the workers' own (this module) and so is the residual store
-    (kvstore.memory), keyed by the name the caller gives a chunk or layer: residual <-
-    aggregate + residual - sent, exactly as a worker does.
-    """
-
-    def __init__(self, threshold_scale=1.0):
-        self.memory = ResidualMemory()
-        self.set_threshold_scale(threshold_scale)
-
-    def set_threshold_scale(self, threshold_scale):
-        self.compressors = make_compressors(threshold_scale)
-
-    def encode(self, name, codec, aggregate, k=None):
-        """Payload of float32 NDArray ``aggregate`` (plus ``name``'s residual) with
-        ``codec`` ('fc_2bit', or 'conv_topk' sending k rows of its first axis)."""
-        plan = LayerPlan(name, tuple(aggregate.shape), codec, k=k)
-        return self.compressors[codec].encode(plan, aggregate, self.memory)
-
-    def state(self, name, shape):
-        """(residual as float32 numpy of ``shape``, 2-bit threshold or None) of ``name``."""
-        residual = self.memory.residual(name, mx.nd.zeros(shape, dtype=np.float32))
-        return residual.asnumpy(), self.memory.scalar(name, "threshold")
-
-    def set_state(self, name, residual, threshold):
-        """Replace ``name``'s residual (numpy) and threshold (None: measure anew)."""
-        res = self.memory.residual(name, mx.nd.zeros(residual.shape, dtype=np.float32))
-        res[:] = residual
-        self.memory.set_scalar(name, "threshold", threshold)
-
 
 # The registry: every codec the policy can name (a strategy), one entry each.
 CODECS = (NoCompression, TwoBit, ConvTopK, Float16)
 CODEC_NAMES = tuple(c.name for c in CODECS)
 
 
-def make_compressors(threshold_scale=1.0):
+def make_compressors():
     """Strategy name -> Compressor instance, for every codec of CODECS."""
-    return {c.name: c(threshold_scale) for c in CODECS}
+    return {c.name: c() for c in CODECS}

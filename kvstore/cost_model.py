@@ -56,9 +56,6 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 DEFAULT_MARGIN = 0.1          # compress only when predicted >= 10% faster than dense
-# RouteCosts.close: routes whose measured seconds are this near are timed again (a
-# single exchange of resnet50 at 1 Gbit/s measured 2.4-3.1 s over four runs)
-ROUTE_CLOSE_BAND = 0.3
 
 
 @dataclass(frozen=True)
@@ -121,15 +118,6 @@ class LinkCosts:
         (``many_keys_s``)."""
         links = tuple(WireCost.fit(nbytes, row) for row in seconds)
         return cls(links, max(0.0, (many_keys_s - one_key_s) / (keys - 1)))
-
-    def dense_floor_s(self, nbytes):
-        """Seconds below which no dense exchange of ``nbytes`` bytes per worker (every
-        worker at once, pushed and pulled, spread over the links) can finish: each link
-        carries pushes and pulls at once (half its probe's per_byte_s, which times one
-        key's push and then its pull), the bytes spread in proportion to the links'
-        speeds, no latency. resnet50_v1b (102 MB) at 1 Gbit/s, 4 workers, 2 servers:
-        1.4 s, where its exchange was timed at 2.0-2.2 s."""
-        return 0.5 * nbytes / sum(1.0 / l.per_byte_s for l in self.links)
 
     def to_list(self):
         values = [float(len(self.links)), self.message_s]
@@ -235,30 +223,22 @@ class CostModel:
 
 @dataclass(frozen=True)
 class RouteCosts:
-    """One Trainer step's exchange by each route, in seconds, measured with every
-    worker at once on the Trainer's own parameter shapes (rank 0's figures):
+    """One Trainer step's exchange by each route, in seconds, priced by the cost model
+    layer by layer (CostModel.predict; rank 0's figures, the same on every worker):
 
-    dense_s: dense pushes and pulls of every parameter, cut and placed over the servers
-      (dist_sync's way: kvstore.server_route); update_s: the Trainer's optimizer over
-      every parameter on one worker; servers: the number of servers, which share the
-      update on the servers' route; hylo_s: hylo's exchange of the parameters (each
-      layer as the model plans it, compressed where that pays).
+    dense_s: every parameter dense (dist_sync's way: kvstore.server_route); hylo_s:
+    hylo's exchange (each layer as planned, compressed where that pays); update_s: the
+    Trainer's optimizer over every parameter on one worker (timed); servers: the number
+    of servers, which share the update on the servers' route.
 
     The servers' route costs dense_s + update_s / servers, the workers' (hylo's)
-    hylo_s + update_s: every worker runs the whole update. rounds: how many timed
-    exchanges of each route dense_s and hylo_s are the medians of. dense_bound: dense_s
-    was not timed but is the links' floor (LinkCosts.dense_floor_s), below which no
-    dense exchange finishes: enough to rule the servers' route out. predicted: neither
-    was timed (rounds 0); both are the cost model's sums over the layers
-    (kvstore.hylo.Hylo._predict_routes), where the probes would not fit in memory.
+    hylo_s + update_s: every worker runs the whole update. Overlap between layers is
+    left out, alike on both sides.
     """
     dense_s: float
     hylo_s: float
     update_s: float
     servers: int
-    rounds: int = 1
-    dense_bound: bool = False
-    predicted: bool = False
 
     @property
     def servers_s(self):
@@ -274,19 +254,11 @@ class RouteCosts:
         setup is the safer bet."""
         return "workers" if self.workers_s < (1.0 - margin) * self.servers_s else "servers"
 
-    def close(self, band=ROUTE_CLOSE_BAND):
-        """Whether the faster route is within ``band`` of the slower (its seconds at
-        least (1 - band) times the other's): near the margin, where one more timed
-        exchange of each (one of a large model can be 30% off its median at 1 Gbit/s)
-        could change the choice."""
-        low, high = sorted((self.servers_s, self.workers_s))
-        return low >= (1.0 - band) * high
-
 
 @dataclass(frozen=True)
 class RouteChoice:
     """Where a Trainer's optimizer runs and why: route 'servers' | 'workers'; reason:
-    'measured' (costs: RouteCosts), or what decided without measuring."""
+    'predicted' (costs: RouteCosts), or what decided without measuring."""
     route: str
     reason: str
     costs: Optional[RouteCosts] = None
@@ -320,19 +292,6 @@ def time_update(optimizer, elements, repeats=3, most=1 << 22):
         weight.wait_to_read()
         times.append(time.perf_counter() - t0)
     return float(np.median(times[1:])) * elements / n
-
-
-def available_memory_bytes():
-    """Bytes of memory this host can still give its processes (Linux's MemAvailable),
-    or inf where /proc/meminfo does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024.0      # (kB)
-    except OSError:
-        pass
-    return float("inf")
 
 
 def time_momentum(elements=1 << 20, repeats=3, seed=0):

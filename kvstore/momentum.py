@@ -13,12 +13,10 @@ behind dense per step or collapse (README, "Accuracy"). DGC's remedy, done here:
 * the velocity runs on as dense momentum's would: error feedback then delivers, over
   the steps, exactly the sum of the velocities, that is what dense momentum SGD
   applies, only later. DGC's *factor masking* (zero ``u`` where a value was sent) is
-  an option, off by default: a value sent every T steps restarts its velocity from
-  zero each time and receives (T - m (1 - m^T) / (1 - m)) / T of dense's
-  momentum-amplified step: 46% at T = 12 (a conv layer sending 8% of its filters), 23%
-  at T = 4, 10% for a 2-bit element sent every step (m = 0.9). Measured on the
-  digits conv net at lr 0.02 (4 workers, 200 steps, README "Accuracy"), masking left
-  hylo 0.5-3 points below dense; without it hylo matched dense;
+  not done: a value sent every T steps would restart its velocity from zero each time
+  and receive (T - m (1 - m^T) / (1 - m)) / T of dense's momentum-amplified step: 46%
+  at T = 12 (a conv layer sending 8% of its filters), 23% at T = 4, 10% for a 2-bit
+  element sent every step (m = 0.9);
 * the sum of the workers' sent velocities must reach the weights as a plain SGD step,
   not through the Trainer's momentum a second time. The store does not touch the
   optimizer; it hands it ``agg_t - m * (lr_{t-1} c_{t-1}) / (lr_t c_t) * agg_{t-1}``
@@ -79,18 +77,14 @@ def step_lr(optimizer):
 
 def accumulate(name, grad, memory, ctx):
     """The velocity ``m * u + grad`` (a new float32 NDArray) of layer ``name``; ``u``
-    itself changes only in :func:`mask_sent`, after a successful encode."""
+    itself changes only in :func:`keep_velocity`, after a successful encode."""
     return ops.momentum_velocity(grad, memory.array(name, "velocity", grad), ctx.momentum)
 
 
-def keep_velocity(name, velocity, payload, compressor, memory, masking):
+def keep_velocity(name, velocity, memory):
     """After a successful encode, ``velocity`` (from :func:`accumulate`) becomes the
-    layer's velocity; with ``masking`` (DGC's factor masking) every element the payload
-    sent is zeroed first (what "sent" means is the codec's: Compressor.zero_sent)."""
-    if masking:
-        compressor.zero_sent(payload, velocity, memory.array(name, "velocity", velocity))
-    else:
-        memory.set_array(name, "velocity", velocity)
+    layer's velocity (a failed encode leaves the old one: nothing was sent)."""
+    memory.set_array(name, "velocity", velocity)
 
 
 def correct(name, aggregate, memory, ctx):

@@ -8,7 +8,7 @@ The rule (Hylo):
   k = max(1, round(rate * O)) output filters of largest L2 norm (gradient + residual),
   with the layer-adaptive rate
 
-      rate(n) = clip(max_conv_rate * (size_threshold / n) ** 0.25, min_conv_rate, max_conv_rate)
+      rate(n) = clip(MAX_CONV_RATE * (size_threshold / n) ** 0.25, MIN_CONV_RATE, MAX_CONV_RATE)
 
   for a layer of n parameters: a layer at the size threshold sends 10% of its filters,
   a 256x larger one 2.5%, never fewer than 1% (defaults). The fourth root keeps big
@@ -25,7 +25,7 @@ The rule (Hylo):
   as one of {-v, 0, +v} (v: the mean |g + r| of the elements sent); the threshold that
   decides which are sent adapts to the size of that layer's values,
 
-      t = threshold_scale * mean(|g + r|)
+      t = mean(|g + r|)
 
   (g the gradient, r the residual; the mean is taken in the same pass as the previous
   step's quantization, see mxhylo.kvstore.compressors.TwoBit).
@@ -47,9 +47,9 @@ import numpy as np
 STRATEGIES = ("none", "conv_topk", "fc_2bit")
 
 DEFAULT_SIZE_THRESHOLD = 8192
-DEFAULT_MAX_CONV_RATE = 0.1
-DEFAULT_MIN_CONV_RATE = 0.01
-DEFAULT_THRESHOLD_SCALE = 1.0
+# bounds of the adaptive conv rate (the rule above)
+MAX_CONV_RATE = 0.1
+MIN_CONV_RATE = 0.01
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class LayerPlan:
 
 
 def adaptive_conv_rate(n, size_threshold=DEFAULT_SIZE_THRESHOLD,
-                       max_rate=DEFAULT_MAX_CONV_RATE, min_rate=DEFAULT_MIN_CONV_RATE):
+                       max_rate=MAX_CONV_RATE, min_rate=MIN_CONV_RATE):
     """Fraction of a conv layer's filters sent per step, for a layer of n parameters."""
     rate = max_rate * (float(size_threshold) / float(n)) ** 0.25
     return float(min(max_rate, max(min_rate, rate)))
@@ -83,25 +83,15 @@ def adaptive_conv_rate(n, size_threshold=DEFAULT_SIZE_THRESHOLD,
 class LayerPolicy:
     """Maps (name, shape) to a LayerPlan; see the module docstring for the rule."""
 
-    def __init__(self, size_threshold=DEFAULT_SIZE_THRESHOLD, conv_rate=None, policy=None,
-                 max_conv_rate=DEFAULT_MAX_CONV_RATE, min_conv_rate=DEFAULT_MIN_CONV_RATE,
-                 threshold_scale=DEFAULT_THRESHOLD_SCALE):
+    def __init__(self, size_threshold=DEFAULT_SIZE_THRESHOLD, conv_rate=None, policy=None):
         if not isinstance(size_threshold, (int, np.integer)) or size_threshold < 0:
             raise ValueError("size_threshold must be a non-negative int (elements), got %r"
                              % (size_threshold,))
         if conv_rate is not None and not 0.0 < conv_rate <= 1.0:
             raise ValueError("conv_rate must be None (adaptive) or a fraction in (0, 1], "
                              "got %r" % (conv_rate,))
-        if not 0.0 < min_conv_rate <= max_conv_rate <= 1.0:
-            raise ValueError("need 0 < min_conv_rate <= max_conv_rate <= 1, got %r, %r"
-                             % (min_conv_rate, max_conv_rate))
-        if not threshold_scale > 0:
-            raise ValueError("threshold_scale must be > 0, got %r" % (threshold_scale,))
         self.size_threshold = int(size_threshold)
         self.conv_rate = conv_rate
-        self.max_conv_rate = float(max_conv_rate)
-        self.min_conv_rate = float(min_conv_rate)
-        self.threshold_scale = float(threshold_scale)
         from .compressors import CODEC_NAMES     # (the codecs import LayerPlan from here)
         self.overrides = []
         for pattern, strategy in (policy or {}).items():
@@ -117,9 +107,7 @@ class LayerPolicy:
     def options(self):
         """The constructor arguments, for logs and for rebuilding the policy elsewhere."""
         return {"size_threshold": self.size_threshold, "conv_rate": self.conv_rate,
-                "policy": {p.pattern: s for p, s in self.overrides},
-                "max_conv_rate": self.max_conv_rate, "min_conv_rate": self.min_conv_rate,
-                "threshold_scale": self.threshold_scale}
+                "policy": {p.pattern: s for p, s in self.overrides}}
 
     def plan(self, name, shape):
         """The LayerPlan of parameter ``name`` with ``shape`` (a tuple of ints)."""
@@ -145,7 +133,7 @@ class LayerPolicy:
         the layer's adaptive rate (the codecs' own byte counts)."""
         from .compressors import ConvTopK, TwoBit
         topk = self._make(name, shape, "conv_topk", forced=False)
-        return (TwoBit(self.threshold_scale).payload_nbytes(topk)
+        return (TwoBit().payload_nbytes(topk)
                 <= ConvTopK().payload_nbytes(topk))
 
     def plan_as(self, name, shape, strategy):
@@ -161,7 +149,7 @@ class LayerPolicy:
                                  % (name, shape))
             n = int(np.prod(shape))
             rate = self.conv_rate if self.conv_rate is not None else adaptive_conv_rate(
-                n, max(self.size_threshold, 1), self.max_conv_rate, self.min_conv_rate)
+                n, max(self.size_threshold, 1))
             k = max(1, int(round(rate * shape[0])))
             return LayerPlan(name, shape, strategy, rate=rate, k=k)
         if strategy == "fc_2bit" and len(shape) == 0:
@@ -169,46 +157,37 @@ class LayerPolicy:
         return LayerPlan(name, shape, strategy)
 
 
-# -- the way back: how the servers return a layer's aggregate (compress_pull) ----------
+# -- the way back: how a compressed layer's aggregate returns (compress_pull) ---------
 
 def compress_pull_mode(value, distributed=True):
-    """Normalise the compress_pull option.
+    """Normalise the compress_pull option to 'gather' or None.
 
-    'gather' (what 'auto' means over the parameter server): the servers return the
-    workers' own compressed payloads, gathered (a conv layer's filters that any worker
-    sent, summed; an fc layer's W 2-bit slots), and every worker decodes them: the
-    aggregate is exactly the dense pull's, for about W times the pushed bytes.
-    False / None / 'off': the aggregate comes back dense float32 (Hylo as published;
-    'auto' in one process, where there is no pull to save);
-    True / 'layer': re-compressed by the servers with the codec of the layer's own
-    family (conv_topk layers' aggregates as top-k filters at the layer's rate, fc_2bit
-    layers' as 2-bit), the rest kept in server-side residuals: the fewest bytes, but
-    a second error-feedback delay that slows convergence per step (README, "Accuracy");
-    '2bit': every compressed layer's aggregate as 2-bit, the same way.
-    Returns None, 'gather', 'layer' or '2bit'.
+    'gather' (what 'auto' and True mean over the parameter server): the servers return
+    the workers' own compressed payloads, gathered (a conv layer's filters that any
+    worker sent, summed; an fc layer's W 2-bit slots), and every worker decodes them:
+    the aggregate is exactly the dense pull's, for about W times the pushed bytes.
+    False / None: the aggregate comes back dense float32 (Hylo as published; what
+    'auto' and True mean in one process and over Horovod, where there is no pull to
+    save or the allgather already gathers).
     """
-    if value == "auto":
+    if value in ("auto", True, "gather"):
         return "gather" if distributed else None
-    if value is None or value is False or value == "off":
+    if value is None or value is False:
         return None
-    if value is True or value == "layer":
-        return "layer"
-    if value in ("2bit", "gather"):
-        return value
-    raise ValueError("compress_pull must be 'auto', 'gather', False, 'off', True, 'layer' "
-                     "or '2bit', got %r" % (value,))
+    if value in ("layer", "2bit", "off"):
+        raise ValueError(
+            "compress_pull=%r is no longer offered: the servers' re-compressed pulls "
+            "converged worse than the dense pull. Use compress_pull='gather' (the "
+            "default: the exact compressed pull) or False (the dense aggregate)%s"
+            % (value, "" if value != "off" else "; 'off' is now False"))
+    raise ValueError("compress_pull must be 'auto', True, 'gather' or False, got %r"
+                     % (value,))
 
 
 def pull_codec(strategy, mode):
-    """Codec of a layer's pull, named as the codecs are: 'none' (the dense float32
-    aggregate), 'fc_2bit' or 'conv_topk' (re-compressed by the servers), or 'gather'
-    (the workers' own payloads). Layers pushed uncompressed ('none') are pulled dense:
-    they are small, latency not bandwidth."""
+    """How a layer's aggregate comes back: 'none' (the dense float32 aggregate) or
+    'gather' (the workers' own payloads). Layers pushed uncompressed ('none') are
+    pulled dense: they are small, latency not bandwidth."""
     if mode is None or strategy == "none":
         return "none"
-    if mode == "gather":
-        return "gather"
-    if mode == "2bit":
-        return "fc_2bit"
-    # 'layer': the layer's own family where the servers have a pull encoder for it
-    return strategy if strategy in ("fc_2bit", "conv_topk") else "none"
+    return "gather"

@@ -51,12 +51,11 @@ class KeyTable:
     """The parameter-server keys of one worker's hylo layers (see the module docstring).
 
     kv: the worker's native 'dist_sync' store; chunk_elements, split_elements,
-    bucket_elements, compress_pull, warmup: see PSTransport; threshold_scale: of the
-    2-bit codec the servers encode pulls with (sent with the layouts).
+    bucket_elements, compress_pull, warmup: see PSTransport.
     """
 
     def __init__(self, kv, num_servers, chunk_elements, split_elements, bucket_elements,
-                 compress_pull, threshold_scale, warmup):
+                 compress_pull, warmup):
         self.kv = kv
         self.rank, self.num_workers = kv.rank, kv.num_workers
         self.num_servers = num_servers
@@ -64,7 +63,6 @@ class KeyTable:
         self.split_elements = split_elements
         self.bucket_elements = bucket_elements
         self.compress_pull = compress_pull
-        self.threshold_scale = threshold_scale
         self.warmup = warmup
         self.layouts = {}         # ps key -> (layer name, ChunkLayout), for the servers
         self.layouts_sent = False
@@ -77,7 +75,7 @@ class KeyTable:
         self._next_key = 0
         self._load = [0] * num_servers
         self._weights = None      # seconds per byte per server (use_links), None: equal
-        self._link_probes = {}    # (server, sizes) or ("dense", shapes) -> probe ps keys
+        self._link_probes = {}    # (server, sizes) -> the link probe's ps keys
         # workers' model check: each worker writes a fingerprint of every new layer into
         # its own slot of this key; the server's sum gathers them (see check_same_model)
         self._check_key = self._key_on(0)
@@ -143,33 +141,12 @@ class KeyTable:
         return plan_chunks("none", shape, self.num_workers, self.num_servers,
                            self.chunk_elements, bound)
 
-    def dense_probe_keys(self, shapes):
-        """Dense keys for float32 arrays of ``shapes`` cut and placed as update_keys
-        would (kvstore.server_route), for timing that route: made once per ``shapes``
-        (collective), never part of the load."""
-        shapes = tuple(tuple(int(d) for d in s) for s in shapes)
-        keys = self._link_probes.get(("dense", shapes))
-        if keys is None:
-            load, keys = list(self._load), []
-            for shape in shapes:
-                for layout in self._route_chunks(shape):
-                    pskey, server = self._place(layout.wire_nbytes)
-                    self.layouts[pskey] = ("route probe", dataclasses.replace(
-                        layout, server=server))
-                    keys.append(pskey)
-            self._load = load
-            self.kv.init(keys, [mx.nd.zeros((self.layouts[k][1].size,)) for k in keys])
-            self.send_layouts()
-            self._link_probes[("dense", shapes)] = keys
-        return keys
-
     # -- the servers' layout table -------------------------------------------------------
 
-    def send_layouts(self, mode=None, route=None):
-        """Send the servers every key's layout (and a mode, kvstore.server.MODES; and
-        a kvstore.server.RouteOptimizer for the 'update' keys)."""
-        self.kv.set_optimizer(ServerDecoder(self.layouts, self.threshold_scale, mode,
-                                            route))
+    def send_layouts(self, route=None):
+        """Send the servers every key's layout (and a kvstore.server.RouteOptimizer for
+        the 'update' keys)."""
+        self.kv.set_optimizer(ServerDecoder(self.layouts, route))
         self.layouts_sent = True
 
     def send_route(self, route):
@@ -179,7 +156,7 @@ class KeyTable:
         if not self.layouts_sent:
             self.send_layouts(route=route)
             return
-        self.kv.set_optimizer(ServerDecoder({}, self.threshold_scale, None, route))
+        self.kv.set_optimizer(ServerDecoder({}, route))
 
     def check_servers_decode(self):
         """Fail fast unless every server runs hylo's decoder.
@@ -244,23 +221,18 @@ class KeyTable:
 
     # -- a layer's keys ------------------------------------------------------------------
 
-    def init(self, layer, value, probe=False):
+    def init(self, layer, value):
         """Create the layer's keys on the servers (every worker calls this, in order):
         its broadcast key, initialised with rank 0's ``value``, and the keys of its
-        exchanges; with ``probe`` (kvstore.transport.Transport.init) only the latter.
-        (MXNet's worker keeps each key's initial value, and its servers a copy of it:
-        a probe's broadcast and warm-up keys would each hold a copy of the model on
-        rank 0 and on the servers for the job's life.)"""
+        exchanges."""
         if layer.key in self.chunks:
             return
         self.check_same_model(layer)
-        keys, values, warm = [], [], []
-        if not probe:
-            bkey, _ = self._place(0)  # used once, at init: not part of the steady load
-            # a copy: MXNet sends nothing from an array in oneDNN's own layout (a
-            # weight after an inference forward), kvstore.trainer_hook says why
-            keys, values = [bkey], [value.copy()]
-        if self.warmup and layer.plan.strategy != "none" and not probe:
+        bkey, _ = self._place(0)  # used once, at init: not part of the steady load
+        # a copy: MXNet sends nothing from an array in oneDNN's own layout (a weight
+        # after an inference forward), kvstore.trainer_hook says why
+        keys, values, warm = [bkey], [value.copy()], []
+        if self.warmup and layer.plan.strategy != "none":
             # dense keys for the warm-up steps (not counted in the steady load)
             for chunk in plan_chunks("none", layer.plan.shape, self.num_workers,
                                      self.num_servers, self.chunk_elements,
@@ -274,8 +246,7 @@ class KeyTable:
                 values.append(mx.nd.zeros(chunk.key_shape, ctx=mx.cpu()))
         chunks = self._new_chunks(layer, keys, values)
         self.kv.init(keys, values)      # one barrier for the layer
-        if not probe:
-            self._bcast[layer.key] = bkey
+        self._bcast[layer.key] = bkey
         self.chunks[layer.key] = chunks
         if warm:
             self.warm_chunks[layer.key] = warm
@@ -364,12 +335,6 @@ class KeyTable:
                                    "the store with warmup_steps > 0" % (layer.plan.name,))
             return warm
         return self.chunks[layer.key]
-
-    def compressed_pull_chunks(self):
-        """[(layer name, Chunk)] of every chunk whose pull the servers encode (and so
-        keep a residual for)."""
-        return [(self.layouts[c.pskey][0], c) for chunks in self.chunks.values()
-                for c in chunks if c.layout.stateful_pull]
 
     # -- buckets -------------------------------------------------------------------------
 

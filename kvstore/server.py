@@ -1,5 +1,4 @@
-"""What runs on the parameter servers: decode the workers' payloads, aggregate, and
-(with compressed pull) encode the aggregate for the way back.
+"""What runs on the parameter servers: decode the workers' payloads and aggregate them.
 
 MXNet's supported hook for server-side code is the optimizer a worker sends with
 kv.set_optimizer(): the servers unpickle it (importing mxhylo there) and call its
@@ -7,20 +6,14 @@ update for every key once all workers have pushed it, with the summed pushes as 
 gradient and the stored array as the weight. ``ServerDecoder`` is such an optimizer:
 it carries the wire layout of every key (kvstore.wire) and, instead of updating
 weights, writes into the stored array what the workers pull: the dense float32
-aggregate, the workers' payloads gathered (pull 'gather', exact), or, for a chunk
-with a re-compressed pull, the aggregate encoded by ``PullEncoder`` (server-side error feedback: what is not sent stays in the server's
-residual of that key and is added to the key's next aggregate).
+aggregate, or the workers' payloads gathered (pull 'gather', exact). A server keeps
+no state of its own between steps but the route's optimizer state below.
 
 Keys of kind 'update' (kvstore.server_route: the dense route, where compression would
 not pay) are what MXNet's dist_sync keys are: the stored array is the weight, and the
 server runs the Trainer's optimizer on it with the summed gradient. The optimizer comes
 in a ServerDecoder too (``route``, a RouteOptimizer); its state lives in this server
 process, so a new learning rate sent mid-run keeps the momentum and the update counts.
-
-The same hook carries commands: a ServerDecoder with ``mode`` 'dump' makes the next
-push of every compressed-pull key write the server's state (residual, codec scalars)
-for the workers to pull into a checkpoint; 'load' makes it take the pushed values as
-its state; 'run' goes back to aggregating. Workers switch modes between barriers.
 """
 import logging
 import os
@@ -30,13 +23,10 @@ from typing import Dict, Tuple
 import mxnet as mx
 import numpy as np
 
-from .compressors import PullEncoder
-from .wire import (gather_values, pull_values, read_state, rows_from_zero, slot_payload,
-                   state_values)
+from .compressors import make_compressors
+from .wire import gather_values, rows_from_zero, slot_payload
 
 log = logging.getLogger("mxhylo.server")
-
-MODES = ("run", "dump", "load")
 
 
 @dataclass
@@ -58,26 +48,18 @@ class ServerDecoder(mx.optimizer.Optimizer):
     layouts: dict ps key (int) -> (layer name, ChunkLayout). Sent again, complete,
     whenever the workers define new keys; a key whose layout differs from what another
     worker sent means the workers train different models, which ends the server with
-    an error saying so. threshold_scale: of the 2-bit codec that encodes pulls.
-    mode: None (unchanged) or one of MODES (see the module docstring).
-    route: None (unchanged) or a RouteOptimizer for the 'update' keys.
+    an error saying so. route: None (unchanged) or a RouteOptimizer for the 'update'
+    keys.
     """
 
-    def __init__(self, layouts, threshold_scale=1.0, mode=None, route=None, **kwargs):
+    def __init__(self, layouts, route=None, **kwargs):
         super().__init__(**kwargs)
-        if mode is not None and mode not in MODES:
-            raise ValueError("server mode must be one of %s, got %r" % (MODES, mode))
         self.layouts = dict(layouts)
-        self.threshold_scale = float(threshold_scale)
-        self.mode = mode
         self.route = route
 
     def __setstate__(self, state):
         super().__setstate__(state)
         _SERVER.merge_layouts(self.layouts)
-        _SERVER.pull.set_threshold_scale(self.threshold_scale)
-        if self.mode is not None:
-            _SERVER.mode = self.mode
         if self.route is not None:
             _SERVER.set_route(self.route)
 
@@ -100,18 +82,17 @@ def _as_list(x):
 
 class ServerState:
     """Everything one server process keeps between ServerDecoders (a new table of
-    layouts, for new keys, or a mode command replaces the decoder, not this):
+    layouts, for new keys, or a new optimizer replaces the decoder, not this):
 
     layouts: ps key -> (layer name, ChunkLayout), merged from every table received;
-    mode: one of MODES; pull: the PullEncoder of re-compressed pulls (its residuals
-    are the server's checkpointed state); optimizer: the Trainer's, for the 'update'
-    keys (None until a RouteOptimizer comes); optimizer_states: ps key -> its state.
+    codecs: the decoders of compressed pushes; optimizer: the Trainer's, for the
+    'update' keys (None until a RouteOptimizer comes); optimizer_states: ps key -> its
+    state.
     """
 
     def __init__(self):
         self.layouts = {}
-        self.mode = "run"
-        self.pull = PullEncoder()
+        self.codecs = make_compressors()
         self.optimizer = None
         self.optimizer_states = {}
 
@@ -159,17 +140,6 @@ class ServerState:
                    "the hylo layout table" % key)
         name, layout = entry
         try:
-            if self.mode != "run" and layout.stateful_pull:
-                if self.mode == "dump":
-                    residual, threshold = self.pull.state("key%d" % key, pull_shape(layout))
-                    stored[:] = rows_from_zero(layout, state_values(layout, residual,
-                                                                    threshold))
-                else:
-                    residual, threshold = read_state(layout,
-                                                     received.tostype("default").asnumpy())
-                    self.pull.set_state("key%d" % key, residual.reshape(pull_shape(layout)),
-                                        threshold)
-                return
             if layout.kind == "update":
                 self.update_weight(key, stored, received)
                 return
@@ -182,14 +152,7 @@ class ServerState:
             if layout.pull == "gather":     # the payloads as they came, for every worker
                 stored[:] = rows_from_zero(layout, gather_values(layout, received))
                 return
-            dense = _decode(key, name, layout, received)
-            if layout.pull == "none":
-                stored[:] = rows_from_zero(layout, dense)
-                return
-            aggregate = dense.reshape((-1,))[:layout.size].reshape(pull_shape(layout))
-            payload = self.pull.encode("key%d" % key, layout.pull, aggregate,
-                                       k=layout.pull_k)
-            stored[:] = rows_from_zero(layout, pull_values(layout, payload))
+            stored[:] = rows_from_zero(layout, _decode(key, name, layout, received))
         except Exception as err:  # noqa: BLE001 - any failure here must end the job loudly
             _fatal("decoding key %d (%s, %s) failed: %r" % (key, name, layout.kind, err))
 
@@ -204,14 +167,6 @@ def _fatal(message):
     log.error("mxhylo server: %s", message)
     print("mxhylo server error: " + message, flush=True)
     os._exit(3)
-
-
-def pull_shape(layout):
-    """Shape the server encodes a chunk's aggregate in: filters x F for a top-k pull
-    (a row is a filter), flat otherwise."""
-    if layout.pull == "conv_topk":
-        return (layout.rows_filters, layout.cols)
-    return (layout.size,)
 
 
 def _decode(key, name, layout, received):
@@ -229,7 +184,7 @@ def _decode(key, name, layout, received):
         if not mine.any():
             _fatal("key %d (%s): worker slot %d is empty" % (key, name, w))
         payload = slot_payload(layout, data[mine].reshape(-1))
-        _SERVER.pull.compressors[payload.strategy].decode(payload, flat, accumulate=True)
+        _SERVER.codecs[payload.strategy].decode(payload, flat, accumulate=True)
     return dense
 
 

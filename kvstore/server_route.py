@@ -12,13 +12,13 @@ own: each parameter cut as MXNet cuts a dist_sync key and its pieces placed on t
 least-loaded servers (kvstore.ps_keys.KeyTable.update_keys), each piece a key of
 kind 'update' whose server runs the optimizer on it (kvstore.server).
 
-Gluon sees a store with the 'optimizer' capability and drives it as it drives
-dist_sync (``update_on_kvstore``: one pushpull per parameter, gradients in, weights
-out). Beyond dist_sync: the parameters' lr_mult and wd_mult are honoured on the
-servers, and a learning rate (or any other optimizer setting) changed on the Trainer
-reaches them before the next step's pushes (``sync_optimizer``, called by
-kvstore.trainer_hook). Like dist_sync, the optimizer's state lives on the servers:
-``trainer.save_states`` cannot save it, and says so.
+The hylo store owns this route and stays the Trainer's store: the Trainer is told to
+update on the kvstore (Gluon then skips its own update), and the store's step pushes
+each parameter's gradients and pulls its new weights through here. Beyond dist_sync:
+the parameters' lr_mult and wd_mult are honoured on the servers, and a learning rate
+(or any other optimizer setting) changed on the Trainer reaches them before the next
+step's pushes (``sync_optimizer``). Like dist_sync, the optimizer's state lives on the
+servers.
 
 The pieces are pulled into a copy of each parameter that the store owns, and that copy
 is copied whole into the parameter's arrays: never a piece into a view of a parameter.
@@ -31,12 +31,11 @@ pulls do.
 import pickle
 
 import numpy as np
-from mxnet.kvstore import KVStoreBase
 
 from .server import RouteOptimizer, _as_list
 
 
-class ServerUpdateStore(KVStoreBase):
+class ServerRoute:
     """Dense gradients pushed, the optimizer run on the servers, weights pulled.
 
     keys: the hylo store's kvstore.ps_keys.KeyTable (its native store and placement);
@@ -52,24 +51,6 @@ class ServerUpdateStore(KVStoreBase):
         self._weights = {}      # parameter index -> the store's copy of it (its shape)
         self._pulls = {}        # parameter index -> per Chunk, its span of that copy
         self._sent = None       # the optimizer last sent, pickled
-
-    @property
-    def type(self):
-        return self.kv_type
-
-    @property
-    def rank(self):
-        return self._keys.rank
-
-    @property
-    def num_workers(self):
-        return self._keys.num_workers
-
-    @staticmethod
-    def is_capable(capability):
-        if capability.lower() == KVStoreBase.OPTIMIZER:
-            return True
-        raise ValueError("Unknown capability: {}".format(capability))
 
     def set_optimizer(self, optimizer):
         """Run ``optimizer`` on the servers for every parameter (sent at once)."""
@@ -143,19 +124,6 @@ class ServerUpdateStore(KVStoreBase):
 
     def _name(self, key):
         return self._params[key].name if 0 <= key < len(self._params) else str(key)
-
-    def save_optimizer_states(self, fname, dump_optimizer=False):
-        raise NotImplementedError(
-            "this Trainer's optimizer runs on the parameter servers (the hylo store chose "
-            "its servers' route: server_update), where the workers cannot read its state, "
-            "as with MXNet's dist_sync. To checkpoint optimizer states, create the store "
-            "with server_update=False (or the Trainer with update_on_kvstore=False).")
-
-    def load_optimizer_states(self, fname):
-        self.save_optimizer_states(fname)
-
-    def set_gradient_compression(self, compression_params):
-        raise ValueError("the servers' route of a hylo store sends dense gradients")
 
 
 def pull_targets(weights, chunks):

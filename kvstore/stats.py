@@ -77,3 +77,23 @@ class TrafficStats:
             "timing": {k: v / steps for k, v in self.seconds.items()} if steps else {},
             "layers": layers,
         }
+
+
+def cost_model_stats(cost, decisions, layers, rechecks, split_elements):
+    """stats()['cost_model']: the fitted wire (latency_s, per_byte_s), the codecs'
+    seconds per element, momentum_s, each link alone and what one more message costs
+    (message_s), split_elements, re-measurements by cause, and per layer (by name) its
+    choice (strategy), predicted dense_s and codec_s, the reason, and measured_s (its
+    last_seconds in ``layers``, TrafficStats.as_dict's)."""
+    links = cost.links
+    return {
+        "latency_s": cost.wire.latency_s, "per_byte_s": cost.wire.per_byte_s,
+        "codecs": {s: vars(c) for s, c in cost.codecs.items()},
+        "momentum_s": cost.momentum_s,
+        "links": None if links is None else [vars(l) for l in links.links],
+        "message_s": None if links is None else links.message_s,
+        "split_elements": split_elements, "rechecks": dict(rechecks),
+        "layers": {d.name: {"strategy": d.codec, "dense_s": d.dense_s,
+                            "codec_s": d.codec_s, "reason": d.reason,
+                            "measured_s": layers.get(d.name, {}).get("last_seconds")}
+                   for d in decisions if d.dense_s is not None}}

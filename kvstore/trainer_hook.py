@@ -10,14 +10,12 @@ a hylo store, and leaves every other store to Gluon's own code:
 
 * ``_init_kvstore``: once Gluon has created the Trainer's store, a hylo store is told
   its Trainer (``Hylo.attach_trainer``), before the parameters are broadcast under
-  their indices; and it chooses where the Trainer's optimizer runs
-  (``Hylo.route_for``): on the servers, the Trainer gets the store of that route
-  (kvstore.server_route.ServerUpdateStore) with update_on_kvstore, and Gluon drives
-  it as it drives dist_sync;
+  their indices, and plans its parameters (``Hylo.choose_route``): where the plan's
+  route puts the optimizer on the servers, the store tells the Trainer to update on
+  the kvstore, and stays its store;
 * ``_allreduce_grads``: a hylo store exchanges the whole step in one call
-  (``Hylo.exchange_step``) instead of Gluon's loop of one pushpull per key; on the
-  servers' route the Trainer's optimizer settings (its learning rate) reach the
-  servers first (``ServerUpdateStore.sync_optimizer``), then Gluon's loop runs.
+  (``Hylo.exchange_step``) instead of Gluon's loop of one pushpull per key, on
+  either route.
 
 And one repair of MXNet's own start-up, for every distributed store:
 
@@ -55,8 +53,6 @@ import os
 
 import mxnet as mx
 
-from .server_route import ServerUpdateStore
-
 _GLUON = {}      # method name -> Gluon's own function, once installed (install once)
 
 
@@ -77,11 +73,7 @@ def install(store_class):
         init_kvstore(trainer)
         if isinstance(trainer._kvstore, store_class):
             trainer._kvstore.attach_trainer(trainer)
-            route = trainer._kvstore.route_for(trainer)
-            if route is not None:
-                trainer._kvstore = route
-                trainer._update_on_kvstore = True
-                route.set_optimizer(trainer._optimizer)
+            trainer._kvstore.choose_route(trainer)
 
     @functools.wraps(init_params)
     def _init_params(trainer):
@@ -97,11 +89,9 @@ def install(store_class):
     @functools.wraps(allreduce_grads)
     def _allreduce_grads(trainer):
         kv = trainer._kvstore
-        if isinstance(kv, store_class) and not trainer._update_on_kvstore:
+        if isinstance(kv, store_class):
             kv.exchange_step(trainer)
             return
-        if isinstance(kv, ServerUpdateStore):
-            kv.sync_optimizer(trainer._optimizer)
         allreduce_grads(trainer)
 
     _GLUON.update(_init_kvstore=init_kvstore, _init_params=init_params,

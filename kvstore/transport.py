@@ -2,8 +2,8 @@
 
 Three transports implement it: kvstore.transport_local (one process: the 'server' is a
 decode right here), kvstore.transport_ps (MXNet's parameter server) and
-kvstore.transport_horovod (Horovod's ring allreduce and allgather). The store
-(kvstore.hylo) calls, per step: ``prepare(layers)``, ``exchange(items)`` (items may be a
+kvstore.transport_horovod (Horovod's ring allreduce and allgather). The exchange
+(kvstore.pipeline) calls, per step: ``exchange(layers, items)`` (items may be a
 generator that encodes on demand), then ``wait(layers, aggregates, traffic)``.
 """
 import abc
@@ -65,32 +65,24 @@ class Transport(abc.ABC):
     split_elements = None   # from how many elements on the wire a layer is cut, if ever
 
     @abc.abstractmethod
-    def init(self, layer, value, probe=False):
-        """Create ``layer``'s keys (every worker calls this, in the same order), for
-        rank 0's ``value`` to be broadcast from. probe: a route probe's layer
-        (kvstore.hylo), exchanged compressed and nothing else: no key to broadcast
-        from, none for warm-up steps (``value`` is not used)."""
-
-    @abc.abstractmethod
     def broadcast(self, layer, value, outs):
-        """Write rank 0's ``value`` of ``layer`` into every NDArray of ``outs``."""
-
-    @abc.abstractmethod
-    def prepare(self, layers):
-        """Create what an exchange of ``layers`` needs, before its first push."""
+        """Write rank 0's ``value`` of ``layer`` into every NDArray of ``outs``, creating
+        the layer's keys first (every worker calls this, in the same order)."""
 
     def replan(self, old, new):
         """Layer ``old`` travels under ``new``'s plan from the next exchange on (the
-        same key and shape; kvstore.hylo.recheck_costs). Collective: every worker calls
-        it at the same point, between exchanges. Transports without keys (in-process,
-        Horovod's collectives) have nothing to do."""
+        same key and shape; a re-plan). Collective: every worker calls it at the same
+        point, between exchanges. Transports without keys (in-process, Horovod's
+        collectives) have nothing to do."""
 
     @abc.abstractmethod
-    def exchange(self, items):
+    def exchange(self, layers, items):
         """Move (layer, payload, out) items: every worker's payloads of a layer,
         aggregated, end up in its float32 ``out`` (written asynchronously: see
-        ``wait``). The items' layers are those prepare() saw, in any order if
-        any_order. Returns one Traffic per item, in the items' order."""
+        ``wait``). ``layers``: the call's layers in the order given (the same on every
+        worker: what is fused or created for the exchange is fixed by it); the items
+        come in any order if any_order. Returns one Traffic per item, in the items'
+        order."""
 
     def wait(self, layers, aggregates, traffic):
         """Block until every aggregate of the exchange is written; add the seconds
@@ -100,26 +92,16 @@ class Transport(abc.ABC):
 
     def time_links(self, probe_elements, repeats):
         """kvstore.cost_model.LinkCosts of this transport's aggregation links, each
-        timed alone with dense probes of ``probe_elements`` float32 values (every
-        worker calls it at once: collective), or None where there are no links to
-        choose between (in-process; Horovod's ring)."""
-        return None
-
-    def time_dense(self, shapes, warmup=True):
-        """Seconds of one dense exchange of float32 arrays of ``shapes`` (after an
-        untimed one if ``warmup``) in the keys the servers' route would give them
-        (every worker at once: collective); None where there are no servers."""
+        timed alone with dense probes of ``probe_elements`` float32 values, rank 0's
+        figures on every worker (collective), which the transport then places and
+        cuts the keys it makes by; or None where there are no links to choose between
+        (in-process; Horovod's ring)."""
         return None
 
     def server_route(self, params):
-        """A kvstore.server_route.ServerUpdateStore for a Trainer's ``params`` (its
-        optimizer run on the servers), or None where there are no servers."""
+        """A kvstore.server_route.ServerRoute for a Trainer's ``params`` (its optimizer
+        run on the servers), or None where there are no servers."""
         return None
-
-    def use_costs(self, cost):
-        """Place and cut the keys made from now on by kvstore.cost_model.CostModel
-        ``cost`` (rank 0's: the same on every worker). Transports without links of
-        their own have nothing to do."""
 
     def share_from_rank0(self, values):
         """Rank 0's 1-D float32 numpy ``values`` on every worker (collective). In one
@@ -128,13 +110,3 @@ class Transport(abc.ABC):
             raise NotImplementedError("%s cannot share values between workers"
                                       % type(self).__name__)
         return np.asarray(values, np.float32).ravel()
-
-    @abc.abstractmethod
-    def server_state(self):
-        """{layer name: (residual numpy of the layer's shape, [threshold or None per
-        piece])} of the aggregation side's compressed pull, for a checkpoint."""
-
-    @abc.abstractmethod
-    def load_server_state(self, state):
-        """Replace that state with what ``server_state`` returned (layers absent from it
-        start anew)."""

@@ -135,9 +135,6 @@ class HorovodTransport(Transport):
 
     # -- no keys, no servers -------------------------------------------------------------
 
-    def init(self, layer, value, probe=False):
-        """Nothing to create: collectives need no keys."""
-
     def broadcast(self, layer, value, outs):
         """Rank 0's ``value`` into every array of ``outs`` (Horovod's broadcast)."""
         # A copy: Horovod's MXNet ops cannot read an array in oneDNN's layout ("We can't
@@ -151,9 +148,6 @@ class HorovodTransport(Transport):
             else:
                 out[:] = result.astype(out.dtype)
 
-    def prepare(self, layers):
-        """Nothing to create before an exchange."""
-
     def share_from_rank0(self, values):
         """Rank 0's 1-D float32 numpy ``values`` on every worker (a Horovod broadcast;
         collective: every worker calls it, with as many values)."""
@@ -166,7 +160,7 @@ class HorovodTransport(Transport):
 
     # -- one exchange --------------------------------------------------------------------
 
-    def exchange(self, items):
+    def exchange(self, layers, items):
         """One exchange: (layer, payload, out) items, out float32 of the layer's shape.
 
         Dense payloads are copied into their ``out`` and summed there in place by one
@@ -221,17 +215,3 @@ class HorovodTransport(Transport):
             sent, got = ring_allgather_bytes([b.nbytes for b in blobs], self.rank)
             traffic[g.index] = Traffic(pushed=sent, pulled=got, messages=int(n == 0),
                                        pushed_at=pushed_at)
-
-    # -- no server state -----------------------------------------------------------------
-
-    def server_state(self):
-        """{}: there are no servers, hence no compressed pull and no state of one."""
-        return {}
-
-    def load_server_state(self, state):
-        if state:
-            raise ValueError(
-                "the 'horovod' transport has no servers, but this checkpoint holds the "
-                "parameter servers' compressed-pull state of %d layers (%s...); load it "
-                "with the parameter-server transport and the same compress_pull option"
-                % (len(state), ", ".join(sorted(state)[:3])))

@@ -3,11 +3,10 @@
 A worker pushes only its compressed payload into the layer's keys (kvstore.ps_keys
 says which keys, on which server; kvstore.wire how the payload sits in them), the
 servers decode and aggregate (kvstore.server, sent to them as a pickled optimizer,
-MXNet's hook for server-side code), and the worker pulls the aggregate as the pull
-codec returns it (dense float32, the workers' payloads gathered, or re-compressed by
-the server) and decodes it. Every worker pulls the same bytes, so every worker writes
-the same aggregate. The servers' checkpoint state: kvstore.ps_checkpoint. A bound on
-every exchange: kvstore.watchdog.
+MXNet's hook for server-side code), and the worker pulls the aggregate (dense
+float32, or the workers' payloads gathered) and decodes it. Every worker pulls the
+same bytes, so every worker writes the same aggregate. A bound on every exchange:
+kvstore.watchdog.
 """
 import os
 import sys
@@ -20,14 +19,22 @@ import numpy as np
 
 from .compressors import Payload, make_compressors
 from .cost_model import LinkCosts
-from .ps_checkpoint import ServerCheckpoint
 from .ps_keys import Chunk, KeyTable, bucket_signature
 from .transport import Traffic, Transport, wait_timed
 from .watchdog import StallWatchdog
 from .wire import (BIGARRAY_BOUND, DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, ROW_ID_BYTES,
-                   ChunkLayout, empty_push, gather_payloads, pull_payload, push_slot, push_rows)
+                   ChunkLayout, empty_push, gather_payloads, push_slot, push_rows)
 
-DEFAULT_BUCKET_BYTES = 2 << 20     # = DEFAULT_CHUNK_ELEMENTS float32 values
+# The keys' sizes (tuning constants, not options: tests of the cutting set them lower).
+# The largest piece of a layer in one parameter-server key, in float32 elements.
+CHUNK_ELEMENTS = DEFAULT_CHUNK_ELEMENTS
+# Uncompressed layers exchanged together travel fused into buckets of up to this many
+# bytes (float32).
+BUCKET_BYTES = 2 << 20     # = DEFAULT_CHUNK_ELEMENTS float32 values
+# Layers that put at least this many elements on the wire are cut into a multiple of
+# the number of servers (None: wire.DEFAULT_SPLIT_MIN, or the cost model's larger
+# figure once the links are measured, time_links).
+SPLIT_ELEMENTS = None
 MESSAGE_PROBE_KEYS = 8             # keys of the exchange that times one more message
 # Keys whose pushed array is the store's own (fused buckets, the probes of the links and
 # of the servers' route) travel as one MXNet pushpull, as Gluon drives dist_sync and the
@@ -132,17 +139,8 @@ class PSTransport(Transport):
     Takes a call's layers in any order (any_order): each travels in keys of its own
     or in a bucket fixed by prepare().
 
-    chunk_elements: the largest piece of a layer in one parameter-server key.
-    bucket_bytes: uncompressed layers pushed in one pushpull call travel fused into
-      buckets of up to this many bytes (float32).
-    split_elements: layers that put at least this many elements on the wire are cut
-      into a multiple of the number of servers, so every server carries the same share
-      of them. None: wire.DEFAULT_SPLIT_MIN, or the cost model's figure once it is
-      measured (use_costs) where that is larger (messages dearer than bytes).
-    compress_pull: None, 'gather', 'layer' or '2bit' (kvstore.policy.compress_pull_mode);
-    threshold_scale: of the 2-bit codec the servers encode pulls with.
-    collective_timeout: seconds a worker waits for the others in save_residuals /
-      load_residuals with compress_pull (collective calls) before it fails.
+    Keys are cut and fused by CHUNK_ELEMENTS, BUCKET_BYTES and SPLIT_ELEMENTS (above).
+    compress_pull: None or 'gather' (kvstore.policy.compress_pull_mode).
     warmup: whether compressed layers also get dense keys, for the steps they travel
       uncompressed (the store's warmup_steps).
     stall_timeout: the bound of one exchange (kvstore.watchdog): None derives it from
@@ -150,10 +148,7 @@ class PSTransport(Transport):
     """
     any_order = True
 
-    def __init__(self, chunk_elements=DEFAULT_CHUNK_ELEMENTS,
-                 bucket_bytes=DEFAULT_BUCKET_BYTES, split_elements=None,
-                 compress_pull=None, threshold_scale=1.0, collective_timeout=300.0,
-                 warmup=False, stall_timeout=None):
+    def __init__(self, compress_pull=None, warmup=False, stall_timeout=None):
         if os.environ.get("DMLC_ROLE") != "worker":
             raise RuntimeError("the hylo parameter-server transport runs in MXNet worker "
                                "processes (DMLC_ROLE=worker), started by python -m "
@@ -162,17 +157,15 @@ class PSTransport(Transport):
         _leave_at_once_on_uncaught_exception()
         self.rank = self.kv.rank
         self.num_workers = self.kv.num_workers
-        chunk_elements = int(chunk_elements)
-        self._split_given = split_elements is not None
-        if split_elements is None:
-            split_elements = DEFAULT_SPLIT_MIN
+        chunk_elements = int(CHUNK_ELEMENTS)
+        self._split_given = SPLIT_ELEMENTS is not None
+        split_elements = DEFAULT_SPLIT_MIN if SPLIT_ELEMENTS is None else SPLIT_ELEMENTS
         # a bucket stays one key on one server, like a chunk
         self._groups, self._group_of = [], {}     # this exchange's buckets (prepare)
         self.num_servers = int(os.environ["DMLC_NUM_SERVER"])
         self.keys = KeyTable(self.kv, self.num_servers, chunk_elements,
-                             int(split_elements), min(int(bucket_bytes) // 4, chunk_elements),
-                             compress_pull, float(threshold_scale), bool(warmup))
-        self.checkpoint = ServerCheckpoint(self.keys, collective_timeout)
+                             int(split_elements), min(int(BUCKET_BYTES) // 4, chunk_elements),
+                             compress_pull, bool(warmup))
         self.watchdog = StallWatchdog(stall_timeout, rank=self.rank)
         self._exchanges = 0
         self._codecs = make_compressors()      # wire forms of pushes, decoders of pulls
@@ -180,17 +173,9 @@ class PSTransport(Transport):
 
     # -- keys (kvstore.ps_keys) ----------------------------------------------------------
 
-    def init(self, layer, value, probe=False):
-        self.keys.init(layer, value, probe)
-
     def broadcast(self, layer, value, outs):
+        self.keys.init(layer, value)
         self.kv.pull(self.keys.broadcast_key(layer), out=outs)
-
-    def prepare(self, layers):
-        # the exchange's buckets, fixed by the order given (the same on every worker)
-        self._groups = self.keys.prepare(layers)
-        self._group_of = {layer.key: g for g, group in enumerate(self._groups)
-                          for layer in group}
 
     def replan(self, old, new):
         self.keys.replan(old, new)
@@ -203,25 +188,24 @@ class PSTransport(Transport):
     def time_links(self, probe_elements, repeats):
         """Each server's link alone: dense probes of every size in ``probe_elements``
         on a key of that server, every worker at once; then MESSAGE_PROBE_KEYS keys
-        against one key of the same total (the smallest probe), on server 0."""
+        against one key of the same total (the smallest probe), on server 0. Rank 0's
+        figures, shared, place and cut the keys made from now on."""
         sizes = [int(n) for n in probe_elements]
         seconds = [[self._time_keys(self.keys.link_probe_keys(s, [n]), [n], repeats)
                     for n in sizes] for s in range(self.keys.num_servers)]
         parts = [sizes[0] // MESSAGE_PROBE_KEYS] * MESSAGE_PROBE_KEYS
         many = self._time_keys(self.keys.link_probe_keys(0, parts), parts, repeats)
-        return LinkCosts.fit([4 * n for n in sizes], seconds, seconds[0][0], many,
+        mine = LinkCosts.fit([4 * n for n in sizes], seconds, seconds[0][0], many,
                              MESSAGE_PROBE_KEYS)
+        links, _ = LinkCosts.from_list(self.share_from_rank0(mine.to_list()))
+        self._use_links(links)
+        return links
 
     # -- the servers' route (kvstore.server_route) --------------------------------------
 
-    def time_dense(self, shapes, warmup=True):
-        keys = self.keys.dense_probe_keys(shapes)
-        return self._time_keys(keys, [self.keys.layouts[k][1].size for k in keys], 1,
-                               "the servers' route probe", warmup=warmup)
-
     def server_route(self, params):
-        from .server_route import ServerUpdateStore
-        return ServerUpdateStore(self.keys, params)
+        from .server_route import ServerRoute
+        return ServerRoute(self.keys, params)
 
     def _time_keys(self, keys, sizes, repeats, what=None, warmup=True):
         """Median seconds of one exchange (a pushpull of every key) over
@@ -252,25 +236,24 @@ class PSTransport(Transport):
     def split_elements(self):
         return self.keys.split_elements
 
-    def use_costs(self, cost):
-        if cost.links is None:
-            return
+    def _use_links(self, links):
         # The model may only cut later than the wire's rule: the rule's size is the
         # floor. Its figure assumes a layer alone on the links; in a whole exchange the
         # placement already balances the servers with whole layers, and cutting at the
         # model's ~10 000 elements at 1 Gbit/s (13 more keys per step on resnet50) made
         # the exchange no faster here (README, "The cost model").
         split = self.keys.split_elements if self._split_given \
-            else max(DEFAULT_SPLIT_MIN, cost.links.split_min_elements())
-        self.keys.use_links(cost.links, split)
+            else max(DEFAULT_SPLIT_MIN, links.split_min_elements())
+        self.keys.use_links(links, split)
 
     # -- one exchange --------------------------------------------------------------------
 
-    def exchange(self, items):
+    def exchange(self, layers, items):
         """One exchange of several layers: each layer's pushes, then at once its pulls.
 
-        items: (layer, payload, out), out a float32 NDArray of the layer's shape; the
-        layers prepare() saw, in any order (as backward writes their gradients: the
+        layers: the call's layers in the order given, which fixes its buckets (the
+        same on every worker); items: (layer, payload, out), out a float32 NDArray of
+        the layer's shape; those layers, in any order (as backward writes their gradients: the
         store's overlap). A layer is pushed as soon as it comes, and its pull is issued
         right behind: MXNet's store holds the pull until the key's push has completed
         on the servers (every worker's share is in), so the aggregates of the layers
@@ -280,8 +263,10 @@ class PSTransport(Transport):
         Reading a pulled row_sparse array waits for it, so the compressed pulls are
         decoded only after the last push. Returns one Traffic per item.
         """
-        if self.checkpoint.pending:
-            self.checkpoint.restore_pending()
+        # keys made, layouts sent, buckets fixed: before the first push
+        self._groups = self.keys.prepare(layers)
+        self._group_of = {layer.key: g for g, group in enumerate(self._groups)
+                          for layer in group}
         self._exchanges += 1
         self.watchdog.begin(self._exchanges)
         routed, traffic, pending = [], [], []
@@ -295,16 +280,16 @@ class PSTransport(Transport):
                 continue
             group = self._group_of.get(layer.key)
             if group is None:
-                raise RuntimeError("layer %s has no bucket: call prepare(layers) before "
-                                   "exchange" % layer.plan.name)
+                raise RuntimeError("layer %s has no bucket: it is not one of the "
+                                   "exchange's layers" % layer.plan.name)
             members = arrived.setdefault(group, {})
             members[layer.key] = i
             if len(members) == len(self._groups[group]):
                 self._push_and_pull_bucket(self._bucket(self._groups[group], members,
                                                         routed), routed, traffic)
         if sum(len(m) for m in arrived.values()) != sum(len(g) for g in self._groups):
-            raise RuntimeError("an exchange left buckets unsent: its layers differ from "
-                               "those prepare() saw")
+            raise RuntimeError("an exchange left buckets unsent: its items differ from "
+                               "its layers")
         for p in pending:
             self._decode_pull(p)
         return traffic
@@ -366,16 +351,13 @@ class PSTransport(Transport):
         piece = p.flat[chunk.offset:chunk.offset + chunk.size]
         if chunk.pull == "none":
             piece[:] = rows[:chunk.size]
-        elif chunk.pull == "gather":
+        else:
             # decoded in rank order, as the server decodes a dense pull: bitwise equal
             target = piece.reshape((chunk.rows_filters, chunk.cols)) \
                 if chunk.kind == "rows" else piece
             mx.nd.zeros_like(target, out=target)
             for payload in gather_payloads(chunk, rows):
                 self._codecs[payload.strategy].decode(payload, target, accumulate=True)
-        else:
-            payload = pull_payload(chunk, rows.asnumpy())
-            self._codecs[payload.strategy].decode(payload, piece.reshape(payload.shape))
         # the decode runs on in MXNet's engine: wait() adds it to the same layer's pull_s
         p.traffic.pull_s += time.perf_counter() - clock
         self.watchdog.settled(pskey)
@@ -440,11 +422,3 @@ class PSTransport(Transport):
         idx = indices.asnumpy()
         return [tuple(int(x) for x in np.searchsorted(idx, [c.layout.lo, c.layout.hi]))
                 for c in chunks]
-
-    # -- the servers' state (kvstore.ps_checkpoint) --------------------------------------
-
-    def server_state(self):
-        return self.checkpoint.server_state()
-
-    def load_server_state(self, state):
-        self.checkpoint.load_server_state(state)

@@ -32,18 +32,10 @@ drop them, and its pull reads rows by position); a worker pulls rows [0, pull_ro
   sent, then their u indices, then those u summed filters (pull_k = min(filters,
   W * k) rows are pulled; rows past u are zeros). The decoded aggregate is bitwise
   the dense pull's.
-* compressed pull (kvstore.server encodes the aggregate with its own residual):
-  ``'fc_2bit'``: the threshold, then the int32 code words' raw bits (nothing adds to
-  a pulled value, so raw bits travel unchanged); ``'conv_topk'``: header rows with the
-  pull_k filter indices (exact float32 integers), then those filters' rows.
-
-Checkpoints move the servers' residuals through the same keys (kvstore.server's
-'dump' and 'load' modes): state_rows rows of the residual, then the codec scalars.
 
 Every layout has its writer next to its reader here: pushes (``push_*``, read by the
-servers' sum and by :func:`slot_payload`), pulls (``pull_values`` /
-``pull_payload``, ``gather_values`` / ``gather_payloads``), checkpoint state
-(``state_values`` / ``read_state``), and whole payloads as self-delimiting bytes for
+servers' sum and by :func:`slot_payload`), pulls (``gather_values`` /
+``gather_payloads``), and whole payloads as self-delimiting bytes for
 collectives that gather without summing (``payload_blob`` / ``blob_payloads``:
 kvstore.transport_horovod); the transports and the servers only move them.
 """
@@ -55,7 +47,7 @@ import numpy as np
 
 from .compressors import CODEC_NAMES, Payload, make_compressors
 
-PULL_CODECS = ("none", "gather", "fc_2bit", "conv_topk")   # codec names, and gather
+PULL_CODECS = ("none", "gather")   # the dense aggregate, or the payloads gathered
 
 # Largest chunk, in gradient elements. MXNet splits keys of 1e6 elements or more over
 # all servers by row ranges, which would cut workers' slots apart; hylo cuts large
@@ -76,11 +68,6 @@ CODEC_INDEX = {name: i for i, name in enumerate(CODEC_NAMES)}
 ROW_ID_BYTES = 8              # row_sparse pushes and pulls carry int64 row ids
 
 
-# pull codecs the servers encode with a residual of their own (compress_pull 'layer',
-# '2bit'): such a chunk's key also carries that state for checkpoints
-STATEFUL_PULLS = ("fc_2bit", "conv_topk")
-
-
 # kinds of key that hold the piece's float32 values as they are, flat
 FLAT_KINDS = ("dense", "probe", "update")
 
@@ -97,7 +84,7 @@ class ChunkLayout:
     (slots); slots: workers' slots (slots); codec: the codec of a slots chunk;
     dense_rows: rows of the dense aggregate; server: index of the server;
     pull: how the aggregate comes back (PULL_CODECS); pull_k: filters pulled per step
-    (pull='conv_topk', or at most that many with pull='gather'); push_rows: rows a
+    at most (pull='gather' of a rows chunk); push_rows: rows a
     worker pushes per step at most (rows: its k filters that can fall in the chunk;
     slots: its slot).
     """
@@ -127,25 +114,16 @@ class ChunkLayout:
 
     @property
     def rows_filters(self):
-        """Filters in a rows chunk (its key may have spare rows for the server's state)."""
+        """Filters in a rows chunk."""
         return self.hi - self.lo
 
     @property
-    def stateful_pull(self):
-        """Whether the server keeps a residual for this chunk's pull (checkpoints)."""
-        return self.pull in STATEFUL_PULLS
-
-    @property
     def pull_rows(self):
-        """Rows a worker pulls: the compressed aggregate, or the dense one."""
+        """Rows a worker pulls: the payloads gathered, or the dense aggregate."""
         if self.pull == "gather":
             if self.kind == "slots":
                 return self.slots * self.slot_rows
             return -(-(1 + self.pull_k) // self.cols) + self.pull_k
-        if self.pull == "fc_2bit":
-            return -(-(1 + -(-self.size // 16)) // self.cols)
-        if self.pull == "conv_topk":
-            return -(-self.pull_k // self.cols) + self.pull_k
         return self.dense_rows
 
     @property
@@ -156,15 +134,6 @@ class ChunkLayout:
             return 8 * self.size
         pull_rows = self.dense_rows if self.pull == "none" else self.pull_rows
         return 4 * self.cols * (self.push_rows + pull_rows)
-
-    @property
-    def state_values(self):
-        """float32 values of the server's state of this chunk: residual, then scalars."""
-        return self.size + (1 if self.pull == "fc_2bit" else 0)
-
-    @property
-    def state_rows(self):
-        return -(-self.state_values // self.cols)
 
 
 def slot_values(n_bytes):
@@ -194,10 +163,10 @@ def plan_chunks(strategy, shape, num_workers, num_servers=1,
                 pull="none", pull_rate=None, push_k=None):
     """Split a layer into ChunkLayouts (server not yet assigned).
 
-    pull: codec of the way back (PULL_CODECS; 'none': the dense float32 aggregate);
-    pull_rate: fraction of a chunk's filters pulled with pull='conv_topk';
+    pull: the way back (PULL_CODECS; 'none': the dense float32 aggregate);
+    pull_rate: fraction of a conv_topk layer's filters each worker pushes per step;
     push_k: filters each worker pushes per step (conv_topk), which bounds a 'gather'
-    pull to num_workers * push_k filters. A chunk whose compressed pull would not be
+    pull to num_workers * push_k filters. A chunk whose gathered pull would not be
     smaller than its dense aggregate pulls dense.
     """
     if pull not in PULL_CODECS:
@@ -206,8 +175,8 @@ def plan_chunks(strategy, shape, num_workers, num_servers=1,
     if _CODECS[strategy].wire == "rows":
         per_filter = n // shape[0]
         # the larger direction on the wire: pushes carry about ``rate`` of the filters
-        # (up to the maximum rate, 0.1); pulls the same, 1/16 (2-bit) or everything
-        pull_fraction = {"none": 1.0, "fc_2bit": 1.0 / 16, "conv_topk": pull_rate or 1.0,
+        # (up to the maximum rate, 0.1); pulls everything, or W times the pushes
+        pull_fraction = {"none": 1.0,
                          "gather": min(1.0, num_workers * (pull_rate or 0.1))}[pull]
         wire_fraction = max(pull_fraction, pull_rate or 0.1)
         if pull == "gather":
@@ -243,34 +212,27 @@ def plan_chunks(strategy, shape, num_workers, num_servers=1,
                                        slot_rows=slot_rows, dense_rows=dense_rows,
                                        slots=num_workers, codec=strategy,
                                        push_rows=slot_rows))
-    return [_with_pull(c, pull, pull_rate, num_workers * (push_k or 0)) for c in layouts]
+    return [_with_pull(c, pull, num_workers * (push_k or 0)) for c in layouts]
 
 
-def _with_pull(chunk, pull, pull_rate, gather_k=0):
+def _with_pull(chunk, pull, gather_k=0):
     if pull == "none":
         return chunk
     filters = chunk.hi - chunk.lo
     pull_k = 0
-    if pull == "conv_topk":
-        if chunk.kind != "rows":
-            raise ValueError("a conv_topk pull needs a conv_topk layer, got %s" % chunk.kind)
-        pull_k = min(filters, max(1, int(round(pull_rate * filters))))
-    if pull == "gather" and chunk.kind == "rows":
+    if chunk.kind == "rows":
         # every worker sends at most push_k filters, all of which may fall in one chunk
         pull_k = min(filters, max(1, gather_k))
     compressed = dataclasses.replace(chunk, pull=pull, pull_k=pull_k)
     if compressed.pull_rows >= chunk.dense_rows:
         return chunk
-    if pull == "gather" and chunk.kind == "slots":
+    if chunk.kind == "slots":
         # the key holds the W slots and nothing else (no dense aggregate, no server
         # state): a key of the dense rows would keep a dense copy of the layer on its
         # server (rows are fixed by the key's initial value) and, until the key's first
         # push, on rank 0 (MXNet's store keeps the value it initialised a key with)
         return dataclasses.replace(compressed, rows=compressed.pull_rows)
-    if not compressed.stateful_pull:
-        return compressed
-    # the key also carries the server's state when a checkpoint asks for it
-    return dataclasses.replace(compressed, rows=max(chunk.rows, compressed.state_rows))
+    return compressed
 
 
 # -- pushes: what one worker puts in a key; the servers' sum is their first reader ----
@@ -347,41 +309,6 @@ def rows_from_zero(layout, values):
 
 # -- pulls: what the servers store for the workers to pull, and its reader -----------
 
-def pull_values(layout, payload):
-    """The server's side: Payload of the encoded aggregate -> float32 (pull_rows * cols,)."""
-    out = np.zeros(layout.pull_rows * layout.cols, np.float32)
-    if layout.pull == "fc_2bit":
-        (codes,) = payload.arrays
-        out[0] = payload.scalars[0]
-        words = codes.asnumpy().view(np.float32)       # raw bits: copied, never added
-        out[1:1 + len(words)] = words
-    elif layout.pull == "conv_topk":
-        indices, values = (a.asnumpy() for a in payload.arrays)
-        out[:len(indices)] = indices
-        head = -(-layout.pull_k // layout.cols) * layout.cols
-        out[head:head + values.size] = values.reshape(-1)
-    else:
-        raise ValueError("chunk %s pulls its dense aggregate" % (layout,))
-    return out
-
-
-def pull_payload(layout, values):
-    """The workers' side: pulled float32 values (pull_rows * cols,) -> Payload to decode."""
-    if layout.pull == "fc_2bit":
-        words = -(-layout.size // 16)
-        codes = np.ascontiguousarray(values[1:1 + words]).view(np.int32)
-        return Payload("fc_2bit", (layout.size,), (mx.nd.array(codes, dtype=np.int32),),
-                       (float(values[0]),))
-    if layout.pull == "conv_topk":
-        k = layout.pull_k
-        head = -(-k // layout.cols) * layout.cols
-        indices = values[:k].astype(np.int32)
-        rows = values[head:head + k * layout.cols].reshape(k, layout.cols)
-        return Payload("conv_topk", (layout.rows_filters, layout.cols),
-                       (mx.nd.array(indices, dtype=np.int32), mx.nd.array(rows)))
-    raise ValueError("chunk %s pulls its dense aggregate" % (layout,))
-
-
 def gather_values(layout, received):
     """The server's side of a 'gather' pull: the summed pushes (row_sparse NDArray of
     the key) -> what the workers pull, as an NDArray or numpy array of pull_rows rows."""
@@ -427,28 +354,6 @@ def gather_payloads(layout, values):
     rows = rows.reshape((count, layout.cols)) if isinstance(rows, mx.nd.NDArray) \
         else mx.nd.array(rows.reshape(count, layout.cols))
     return [Payload("conv_topk", (layout.rows_filters, layout.cols), (indices, rows))]
-
-
-# -- the servers' state of a compressed pull, for checkpoints ---------------------------
-
-def state_values(layout, residual, threshold):
-    """A chunk's server state as the float32 values (state_rows * cols,) that travel
-    through its key: the residual (``size`` values, any shape), then, for an fc_2bit
-    pull, the threshold (NaN for None: not measured yet). Read by :func:`read_state`."""
-    values = np.zeros(layout.state_rows * layout.cols, np.float32)
-    values[:layout.size] = np.asarray(residual, np.float32).reshape(-1)
-    if layout.pull == "fc_2bit":
-        values[layout.size] = np.nan if threshold is None else threshold
-    return values
-
-
-def read_state(layout, values):
-    """Inverse of :func:`state_values`: (residual (size,) float32, threshold or None)."""
-    values = np.asarray(values, np.float32).reshape(-1)
-    threshold = None
-    if layout.pull == "fc_2bit" and np.isfinite(values[layout.size]):
-        threshold = float(values[layout.size])
-    return values[:layout.size].copy(), threshold
 
 
 # -- blobs: a whole payload as bytes, for collectives that gather bytes unsummed -------

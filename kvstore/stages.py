@@ -1,0 +1,125 @@
+"""Stages around a codec: what a layer's gradient goes through before and after its
+exchange, composed per layer by the plan (BytePS composes its compressors the same
+way: error feedback and momentum as decorators around the codec).
+
+A stage has two calls, with the Step of the exchange (the residual memory, and the
+Trainer's momentum for this step, or None):
+
+* ``encode(layer, grad, step)`` -> Payload: what this worker sends;
+* ``finish(layer, aggregate, step)``: after the exchange, rewrite the float32
+  aggregate in place (or remember something).
+
+``chain(decision, compressors, warmup_steps)`` builds a layer's stages, outermost
+first:
+
+    WarmUp -> MomentumCorrection -> ErrorFeedback(codec)
+
+* ErrorFeedback: the codec encodes gradient + residual and leaves in the residual what
+  it did not send. The fold, the selection and the residual update run as one fused
+  kernel (mxhylo.ops): one pass over the layer, which is why the residual is handed to
+  the codec rather than added here.
+* MomentumCorrection (kvstore.momentum): with MXNet's momentum SGD, the codec sends
+  the velocity, and the aggregate is corrected so that the optimizer's momentum does
+  not apply twice. Only where a Trainer's step gives a momentum.
+* WarmUp: a compressed layer's first ``warmup_steps`` exchanges travel dense (plain
+  gradients, nothing held back): early training is where error feedback's delay
+  costs the most.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from . import momentum as momentum_correction
+from .memory import ResidualMemory
+
+
+@dataclass
+class Step:
+    """What the stages of one exchange share: memory (the layers' residuals and codec
+    state) and momentum (kvstore.momentum.MomentumContext of the Trainer's step, or
+    None: no momentum correction this step)."""
+    memory: ResidualMemory
+    momentum: Optional[object] = None
+
+
+class ErrorFeedback:
+    """The codec itself, with its residual (see the module docstring). A layer planned
+    dense after it was compressed (a re-plan) sends what its codec still held, once:
+    nothing waits in a residual no codec reads."""
+
+    def __init__(self, codec):
+        self.codec = codec
+
+    def encode(self, layer, grad, step):
+        send = grad
+        if layer.plan.strategy == "none":
+            owed = step.memory.pop_codec_state(layer.plan.name)
+            if owed is not None:
+                send = grad.astype(np.float32, copy=False) + owed
+        return self.codec.encode(layer.plan, send, step.memory)
+
+    def finish(self, layer, aggregate, step):
+        """Nothing to do after the exchange."""
+
+
+class MomentumCorrection:
+    """Compress the velocity m * u + g, and hand the optimizer the corrected aggregate
+    (kvstore.momentum). Passes through where the step has no momentum."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def encode(self, layer, grad, step):
+        if step.momentum is None:
+            return self.inner.encode(layer, grad, step)
+        name = layer.plan.name
+        velocity = momentum_correction.accumulate(name, grad, step.memory, step.momentum)
+        payload = self.inner.encode(layer, velocity, step)
+        momentum_correction.keep_velocity(name, velocity, step.memory)
+        return payload
+
+    def finish(self, layer, aggregate, step):
+        if step.momentum is not None:
+            momentum_correction.correct(layer.plan.name, aggregate, step.memory,
+                                        step.momentum)
+        self.inner.finish(layer, aggregate, step)
+
+
+class WarmUp:
+    """A compressed layer's first ``steps`` exchanges travel dense (``dense``: the
+    'none' codec), counted per layer in the memory (so checkpointed)."""
+
+    def __init__(self, inner, dense, steps):
+        self.inner, self.dense, self.steps = inner, dense, steps
+
+    def warming(self, layer, memory):
+        return (memory.scalar(layer.plan.name, "warmup_done") or 0) < self.steps
+
+    def encode(self, layer, grad, step):
+        if self.warming(layer, step.memory):
+            return self.dense.encode(layer.plan, grad, step.memory)
+        return self.inner.encode(layer, grad, step)
+
+    def finish(self, layer, aggregate, step):
+        name = layer.plan.name
+        done = step.memory.scalar(name, "warmup_done") or 0
+        if done < self.steps:
+            step.memory.set_scalar(name, "warmup_done", done + 1)
+            return
+        self.inner.finish(layer, aggregate, step)
+
+
+def chain(plan, compressors, warmup_steps, memory):
+    """The stages of a layer planned as LayerPlan ``plan`` (outermost first; see the
+    module docstring). Momentum correction wraps a compressed layer, and a dense one
+    whose velocity lived here before a re-plan (its velocity then runs on and goes out
+    whole each step: the optimizer's momentum buffer stays the telescoped sum it was,
+    which is dense momentum SGD exactly once nothing is owed)."""
+    stages = ErrorFeedback(compressors[plan.strategy])
+    compressed = plan.strategy != "none"
+    if compressed or memory.scalar(plan.name, "previous_rescale") is not None:
+        stages = MomentumCorrection(stages)
+    if compressed and warmup_steps:
+        stages = WarmUp(stages, compressors["none"], warmup_steps)
+    return stages
