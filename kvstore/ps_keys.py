@@ -276,25 +276,39 @@ class KeyTable:
                     mx.nd.arange(chunk.pull_rows, dtype=np.int64))
         return chunks
 
-    def update_keys(self, name, value):
-        """[Chunk] of kind 'update' for parameter ``name`` whose optimizer runs on the
-        servers (kvstore.server_route): dense pieces cut as dist_sync cuts its keys
+    def update_keys(self, name, value, state_arrays):
+        """Keys for parameter ``name`` whose optimizer runs on the servers
+        (kvstore.server_route): ([Chunk] of kind 'update', [Chunk] of kind 'state').
+
+        The 'update' keys are dense pieces cut as dist_sync cuts its keys
         (_route_chunks), each placed on the least-loaded server, initialized with rank
-        0's ``value`` (collective: every worker calls this, in the same order). Their
-        layouts reach the servers with the next send_layouts."""
-        self._check_same(repr(("update", value.shape)),
-                         "parameter %r is %s" % (name, value.shape))
-        chunks = []
+        0's ``value``. Each has a 'state' key on the same server (its ``ref``: the
+        update key) of 1 + state_arrays * n float32 values for a piece of n elements
+        (kvstore.server: its update count, then the optimizer's state_arrays arrays of
+        the piece), initialized with zeros; not part of the load (it travels only when
+        a checkpoint is saved or loaded). Collective: every worker calls this, in the
+        same order (one barrier for all the keys). Their layouts reach the servers with
+        the next send_layouts."""
+        self._check_same(repr(("update", value.shape, state_arrays)),
+                         "parameter %r is %s with %d optimizer state arrays"
+                         % (name, value.shape, state_arrays))
+        chunks, states = [], []
         for layout in self._route_chunks(value.shape):
             pskey, server = self._place(layout.wire_nbytes)
             layout = dataclasses.replace(layout, kind="update", server=server)
             self.layouts[pskey] = (name, layout)
             chunks.append(Chunk(pskey, layout))
+            state = dataclasses.replace(layout, kind="state", ref=pskey,
+                                        size=1 + state_arrays * layout.size)
+            skey = self._key_on(server)
+            self.layouts[skey] = (name + " (optimizer state)", state)
+            states.append(Chunk(skey, state))
         flat = value.reshape((-1,))
-        self.kv.init([c.pskey for c in chunks],
-                     [flat[c.layout.lo:c.layout.hi] for c in chunks])
+        self.kv.init([c.pskey for c in chunks + states],
+                     [flat[c.layout.lo:c.layout.hi] for c in chunks]
+                     + [mx.nd.zeros(c.layout.key_shape) for c in states])
         self.layouts_sent = False
-        return chunks
+        return chunks, states
 
     def replan(self, old, new):
         """Keys for ``new``: layer ``old`` (the same key and shape) under another plan

@@ -14,6 +14,17 @@ not pay) are what MXNet's dist_sync keys are: the stored array is the weight, an
 server runs the Trainer's optimizer on it with the summed gradient. The optimizer comes
 in a ServerDecoder too (``route``, a RouteOptimizer); its state lives in this server
 process, so a new learning rate sent mid-run keeps the momentum and the update counts.
+
+That state is also kept where the workers can read it, for trainer.save_states: every
+'update' key P has a key S of kind 'state' on the same server (``layout.ref`` = P) of
+1 + m * n float32 values for a piece of n elements: [P's update count, the optimizer's
+m state arrays of the piece, each n values, in the order ``state_arrays`` lists them].
+Every worker pushes zeros into S once (registering it): the server then keeps S's stored
+array and makes P's optimizer state views of it, so every update writes the state
+straight into what a worker pulls (a pull needs no other worker: rank 0 saves alone),
+and P's count follows each update. A push whose first value is not zero loads S
+(trainer.load_states: rank 0 pushes the values, the other workers zeros): first value
+c + 1 sets P's count to c (-1 keeps the count), the rest become P's state.
 """
 import logging
 import os
@@ -80,6 +91,26 @@ def _as_list(x):
     return x if isinstance(x, (list, tuple)) else [x]
 
 
+def state_arrays(state):
+    """The NDArrays of an optimizer's state (None, an NDArray, or tuples and lists of
+    them, nested), depth first: their order in a 'state' key."""
+    if state is None:
+        return []
+    if isinstance(state, (list, tuple)):
+        return [a for part in state for a in state_arrays(part)]
+    return [state]
+
+
+def rebuild_state(state, arrays):
+    """``state``'s structure with its NDArrays replaced, in state_arrays' order, by the
+    next ones of the iterator ``arrays``."""
+    if state is None:
+        return None
+    if isinstance(state, (list, tuple)):
+        return type(state)(rebuild_state(part, arrays) for part in state)
+    return next(arrays)
+
+
 class ServerState:
     """Everything one server process keeps between ServerDecoders (a new table of
     layouts, for new keys, or a new optimizer replaces the decoder, not this):
@@ -87,7 +118,10 @@ class ServerState:
     layouts: ps key -> (layer name, ChunkLayout), merged from every table received;
     codecs: the decoders of compressed pushes; optimizer: the Trainer's, for the
     'update' keys (None until a RouteOptimizer comes); optimizer_states: ps key -> its
-    state.
+    state; state_stores: 'update' ps key -> MXNet's stored array of its 'state' key,
+    float32 (1 + m * n,) (see the module docstring); state_views: the 'update' keys
+    whose optimizer_states are views of their state_stores; state_loaded: those whose
+    state_stores hold loaded values their state, not made yet, is to start from.
     """
 
     def __init__(self):
@@ -95,6 +129,9 @@ class ServerState:
         self.codecs = make_compressors()
         self.optimizer = None
         self.optimizer_states = {}
+        self.state_stores = {}
+        self.state_views = set()
+        self.state_loaded = set()
 
     def set_route(self, route):
         """Take ``route``'s optimizer for the 'update' keys. A replacement (the Trainer's
@@ -116,11 +153,79 @@ class ServerState:
         if self.optimizer is None:
             _fatal("parameter-server key %d updates its weight on the servers, but no "
                    "optimizer was sent" % key)
-        state = self.optimizer_states.get(key)
         if key not in self.optimizer_states:
-            state = self.optimizer_states[key] = \
+            self.optimizer_states[key] = \
                 self.optimizer.create_state_multi_precision(key, stored)
-        self.optimizer.update_multi_precision(key, stored, received, state)
+        if key in self.state_stores and key not in self.state_views:
+            self._state_into_views(key)
+        self.optimizer.update_multi_precision(key, stored, received,
+                                              self.optimizer_states[key])
+        if key in self.state_views:
+            store = self.state_stores[key]
+            store[0:1] = float(self.optimizer._index_update_count.get(key, 0))
+            # MXNet answers a pull from the stored array without waiting for the
+            # engine, and waits here only for the weight's writers
+            store.wait_to_read()
+
+    def _state_into_views(self, key):
+        """Make 'update' key ``key``'s optimizer state views of its 'state' key's stored
+        array: with the values it holds if a load came before the state was made, else
+        with the state's own values (copied in, with the key's update count)."""
+        store, state = self.state_stores[key], self.optimizer_states[key]
+        arrays = state_arrays(state)
+        if store.size != 1 + sum(a.size for a in arrays):
+            # (the optimizer sent at the first step keeps other arrays than the one the
+            # keys were made for): the state stays apart, and a save says so
+            log.warning("key %d: optimizer state of %d arrays does not fit its state key "
+                        "of %d values", key, len(arrays), store.size)
+            del self.state_stores[key]
+            store[0:1] = -1.0
+            store.wait_to_read()
+            return
+        loaded = key in self.state_loaded
+        views, offset = [], 1
+        for a in arrays:
+            view = store[offset:offset + a.size].reshape(a.shape)
+            if not loaded:
+                view[:] = a
+            views.append(view)
+            offset += a.size
+        if not loaded:
+            store[0:1] = float(self.optimizer._index_update_count.get(key, 0))
+        self.optimizer_states[key] = rebuild_state(state, iter(views))
+        self.state_views.add(key)
+        self.state_loaded.discard(key)
+        store.wait_to_read()
+
+    def take_state(self, key, stored, received):
+        """A push into 'state' key ``key``: ``stored`` is its stored array (MXNet's, kept
+        here), ``received`` the workers' summed push; registers it (all zeros) or loads
+        it (see the module docstring)."""
+        ref = self.layouts[key][1].ref
+        self.state_stores[ref] = stored
+        flag = float(received[0:1].asscalar())
+        if flag == 0.0:             # a register: the state goes on (or starts) as it is
+            if ref in self.optimizer_states and ref not in self.state_views:
+                self._state_into_views(ref)
+            return
+        if self.optimizer is None:
+            _fatal("parameter-server key %d: optimizer state loaded before an optimizer "
+                   "was sent" % key)
+        counts = self.optimizer._index_update_count
+        if flag > 0.0:
+            count = int(flag) - 1
+            if count > 0:
+                counts[ref] = count
+            else:
+                counts.pop(ref, None)      # a fresh key: the optimizer's begin_num_update
+            self.optimizer.num_update = max([self.optimizer.begin_num_update]
+                                            + list(counts.values()))
+        stored[:] = received        # (through the state's views, if it has them)
+        stored[0:1] = float(counts.get(ref, 0))
+        if ref not in self.state_views:
+            self.state_loaded.add(ref)
+            if ref in self.optimizer_states:
+                self._state_into_views(ref)
 
     def merge_layouts(self, layouts):
         for key, (name, layout) in layouts.items():
@@ -142,6 +247,9 @@ class ServerState:
         try:
             if layout.kind == "update":
                 self.update_weight(key, stored, received)
+                return
+            if layout.kind == "state":
+                self.take_state(key, stored, received)
                 return
             if layout.kind == "dense":
                 stored[:] = received

@@ -18,7 +18,14 @@ each parameter's gradients and pulls its new weights through here. Beyond dist_s
 the parameters' lr_mult and wd_mult are honoured on the servers, and a learning rate
 (or any other optimizer setting) changed on the Trainer reaches them before the next
 step's pushes (``sync_optimizer``). Like dist_sync, the optimizer's state lives on the
-servers.
+servers; unlike dist_sync, ``trainer.save_states`` and ``load_states`` work: each
+update key has a key of kind 'state' that the servers keep the key's optimizer state
+and update count in (kvstore.server), which a worker pulls to save (rank 0 may save
+alone) and every worker pushes to load (rank 0 the file's values, the others zeros).
+The file is the one Gluon writes where the optimizer runs on the workers (MXNet's
+Updater states: a pickle of ({parameter index: state}, optimizer)), so a checkpoint
+saved on either route loads on either: which route a job takes depends on what it
+measures, and a resumed job may take the other one.
 
 The pieces are pulled into a copy of each parameter that the store owns, and that copy
 is copied whole into the parameter's arrays: never a piece into a view of a parameter.
@@ -29,10 +36,20 @@ after the step's pulls were queued); MXNet cannot write such an array through a 
 pulls do.
 """
 import pickle
+from dataclasses import dataclass
 
+import mxnet as mx
 import numpy as np
 
-from .server import RouteOptimizer, _as_list
+from .plan import ELEMENTWISE_OPTIMIZERS
+from .server import RouteOptimizer, _as_list, rebuild_state, state_arrays
+
+
+@dataclass
+class RouteUpdater:
+    """What Gluon's Trainer.load_states reads the optimizer it goes on with from
+    (``kvstore._updater.optimizer``) where the optimizer runs on the kvstore."""
+    optimizer: object
 
 
 class ServerRoute:
@@ -50,7 +67,20 @@ class ServerRoute:
         self._chunks = {}       # parameter index -> [Chunk] of kind 'update'
         self._weights = {}      # parameter index -> the store's copy of it (its shape)
         self._pulls = {}        # parameter index -> per Chunk, its span of that copy
+        self._states = {}       # parameter index -> per Chunk, its Chunk of kind 'state'
+        # parameter index -> (its optimizer state's structure for a weight of one
+        # element, as the Trainer's optimizer made it when the parameter's keys were
+        # made; that optimizer's class name)
+        self._state_form = {}
+        self._unregistered = []     # parameter indices whose state keys await a push
+        self._optimizer = None  # the Trainer's optimizer, as last given
         self._sent = None       # the optimizer last sent, pickled
+
+    @property
+    def updater(self):
+        """RouteUpdater of the optimizer in force (the one loaded with the states, after
+        load_states)."""
+        return RouteUpdater(self._optimizer)
 
     def set_optimizer(self, optimizer):
         """Run ``optimizer`` on the servers for every parameter (sent at once)."""
@@ -60,14 +90,30 @@ class ServerRoute:
     def sync_optimizer(self, optimizer):
         """Send ``optimizer`` to the servers if any of its settings changed since it was
         last sent (its learning rate, say): called before every step's pushes. The
-        servers keep their optimizer state and update counts (kvstore.server)."""
+        servers keep their optimizer state and update counts (kvstore.server). Then
+        registers the state keys of parameters broadcast since (collective, as the
+        step's pushes are)."""
+        self._optimizer = optimizer
         state = pickle.dumps(optimizer)     # (MXNet's pickling drops param_dict)
-        if state == self._sent and self._keys.layouts_sent:
+        if state != self._sent or not self._keys.layouts_sent:
+            mults = {c.pskey: (float(self._params[i].lr_mult),
+                               float(self._params[i].wd_mult))
+                     for i, chunks in self._chunks.items() for c in chunks}
+            self._keys.send_route(RouteOptimizer(pickle.loads(state), mults))
+            self._sent = state
+        self._register_states()
+
+    def _register_states(self):
+        """Push zeros into the state keys not pushed yet (every worker: a server sees a
+        key in a push only), so that the servers keep each update key's optimizer state
+        in its state key from then on (kvstore.server). Zeros change nothing: a
+        register that shares a round with a load leaves the load's values."""
+        if not self._unregistered:
             return
-        mults = {c.pskey: (float(self._params[i].lr_mult), float(self._params[i].wd_mult))
-                 for i, chunks in self._chunks.items() for c in chunks}
-        self._keys.send_route(RouteOptimizer(pickle.loads(state), mults))
-        self._sent = state
+        keys = [c.pskey for k in self._unregistered for c in self._states[k]]
+        self._keys.kv.push(keys, [mx.nd.zeros((self._keys.layouts[key][1].size,))
+                                  for key in keys])
+        self._unregistered = []
 
     def broadcast(self, key, value, out, priority=0):
         """Store rank 0's ``value`` of parameter ``key`` on the servers (in the pieces
@@ -79,11 +125,18 @@ class ServerRoute:
             if v[0].dtype != np.float32:
                 raise ValueError("parameter %s is %s: the servers' route updates float32 "
                                  "weights only" % (self._name(k), np.dtype(v[0].dtype).name))
+            if self._optimizer is None:
+                raise RuntimeError("the servers' route got parameter %s before its "
+                                   "optimizer: call set_optimizer first" % self._name(k))
             # rank 0's keys start from views of the array given here, and MXNet
             # pulls into them: the store's copy, never a view of the parameter (MXNet
             # neither sends from nor writes through a view of a oneDNN-layout weight)
             weights = v[0].copy()
-            self._chunks[k] = self._keys.update_keys(self._name(k), weights)
+            form = self._template(k, (1,))
+            self._chunks[k], self._states[k] = self._keys.update_keys(
+                self._name(k), weights, len(state_arrays(form)))
+            self._state_form[k] = (form, type(self._optimizer).__name__)
+            self._unregistered.append(k)
             self._weights[k] = weights
             self._pulls[k] = pull_targets(weights, self._chunks[k])
             self._sent = None       # the new keys' multipliers go with the next send
@@ -125,6 +178,154 @@ class ServerRoute:
     def _name(self, key):
         return self._params[key].name if 0 <= key < len(self._params) else str(key)
 
+    def _template(self, key, shape):
+        """The optimizer state the optimizer in force makes for a float32 weight of
+        ``shape``; raises unless each of its arrays is of that shape (an elementwise
+        optimizer's: a piece's state is then the same piece of the whole parameter's)."""
+        optimizer = self._optimizer
+        state = optimizer.create_state_multi_precision(key, mx.nd.zeros(shape))
+        for a in state_arrays(state):
+            if tuple(a.shape) != tuple(shape):
+                raise ValueError(
+                    "optimizer %s keeps a state array of shape %s for parameter %s of "
+                    "shape %s: the servers' route keeps the state of elementwise "
+                    "optimizers only" % (type(optimizer).__name__, a.shape,
+                                         self._name(key), shape))
+        return state
+
+    # -- trainer.save_states and load_states ---------------------------------------------
+
+    def save_states(self, fname, dump_optimizer=False):
+        """Write the servers' optimizer state of every parameter to ``fname`` as Gluon
+        writes a Trainer's (MXNet's Updater.get_states): a pickle of {parameter index:
+        state} (the optimizer's structure of float32 NDArrays, each of the parameter's
+        shape, on the CPU), with ``dump_optimizer`` a pair (that, the optimizer) whose
+        update counts are the servers' (by parameter index). Pulls only, once this
+        worker's last step has come back: one worker may save alone."""
+        for weights in self._weights.values():
+            weights.wait_to_read()      # the servers updated every piece this step
+        keys = [c.pskey for k in sorted(self._states) for c in self._states[k]]
+        outs = [mx.nd.zeros((self._keys.layouts[key][1].size,)) for key in keys]
+        if keys:
+            self._keys.kv.pull(keys, out=outs)
+        got = dict(zip(keys, outs))
+        states, counts = {}, {}
+        for k in sorted(self._chunks):
+            shape = self._weights[k].shape
+            form = self._state_form[k][0]
+            arrays = [np.zeros(shape, np.float32).reshape(-1) for _ in state_arrays(form)]
+            count = 0
+            for c, s in zip(self._chunks[k], self._states[k]):
+                values = got[s.pskey].asnumpy()
+                if values[0] < 0:
+                    raise RuntimeError(
+                        "parameter %s: the servers' optimizer state does not fit its "
+                        "state key (the optimizer that made it keeps other arrays than "
+                        "the Trainer's had when its parameters were sent): it cannot be "
+                        "saved" % self._name(k))
+                count = max(count, int(values[0]))
+                n = c.layout.size
+                for j, flat in enumerate(arrays):
+                    flat[c.layout.lo:c.layout.hi] = values[1 + j * n:1 + (j + 1) * n]
+            states[k] = rebuild_state(form, iter(
+                mx.nd.array(a.reshape(shape), dtype=np.float32) for a in arrays))
+            if count:
+                counts[k] = count
+        if dump_optimizer:
+            optimizer = pickle.loads(pickle.dumps(self._optimizer))
+            # the servers' counts, by parameter index as Gluon's Updater keeps them
+            optimizer._all_index_update_counts = {0: counts}
+            optimizer._index_update_count = counts
+            optimizer.num_update = max([optimizer.begin_num_update] + list(counts.values()))
+            data = pickle.dumps((states, optimizer))
+        else:
+            data = pickle.dumps(states)
+        with open(fname, "wb") as f:
+            f.write(data)
+
+    def load_states(self, fname):
+        """Load what save_states (or Gluon, where the optimizer ran on the workers)
+        wrote to ``fname`` into the servers (collective: every worker calls this, as
+        with Gluon's load_states; rank 0's file is the one loaded). The file's optimizer,
+        if it has one, goes to the servers first and is the one in force after
+        (``updater``); the update counts are the file's (without an optimizer, the
+        servers' stay). A parameter the file has no state for starts afresh, as in
+        Gluon. Raises, naming the parameter, if the file is for another model or
+        another kind of optimizer."""
+        states, optimizer = self._read_states(fname)
+        self.sync_optimizer(self._optimizer if optimizer is None else optimizer)
+        counts = None if optimizer is None else optimizer._index_update_count
+        rank0 = self._keys.rank == 0
+        keys, values = [], []
+        for k in sorted(self._chunks):
+            arrays = [_numpy(a).reshape(-1) for a in state_arrays(states.get(k))] \
+                if rank0 else []
+            count = None if counts is None else int(counts.get(k, 0))
+            for c, s in zip(self._chunks[k], self._states[k]):
+                value = np.zeros(s.layout.size, np.float32)
+                if rank0:
+                    value[0] = -1.0 if count is None else count + 1.0
+                    n = c.layout.size
+                    for j, flat in enumerate(arrays):
+                        value[1 + j * n:1 + (j + 1) * n] = flat[c.layout.lo:c.layout.hi]
+                keys.append(s.pskey)
+                values.append(mx.nd.array(value))
+        if keys:
+            self._keys.kv.push(keys, values)
+        # every push answered, so every server took its values (a round ends when all
+        # workers have pushed), and another load's values cannot share their round
+        mx.nd.waitall()
+
+    def _read_states(self, fname):
+        """(states by parameter index, optimizer or None) of the states file ``fname``,
+        checked against this Trainer's parameters and optimizer."""
+        with open(fname, "rb") as f:
+            data = f.read()
+        try:
+            content = pickle.loads(data)
+        except Exception as err:  # noqa: BLE001 - any bytes: say what was expected
+            raise ValueError("%s is not a Trainer's optimizer states file (one that "
+                             "trainer.save_states writes): %r" % (fname, err)) from None
+        states, optimizer = content if isinstance(content, tuple) and len(content) == 2 \
+            else (content, None)
+        if not isinstance(states, dict) or not (
+                optimizer is None or isinstance(optimizer, mx.optimizer.Optimizer)):
+            raise ValueError("%s is not a Trainer's optimizer states file (one that "
+                             "trainer.save_states writes): it holds a %s"
+                             % (fname, type(content).__name__))
+        if optimizer is not None and type(optimizer).__name__ not in ELEMENTWISE_OPTIMIZERS:
+            raise ValueError("%s holds optimizer %s, which cannot run on the servers (the "
+                             "servers' route runs %s)" % (
+                                 fname, type(optimizer).__name__,
+                                 ", ".join(ELEMENTWISE_OPTIMIZERS)))
+        unknown = sorted(set(states) - set(self._chunks), key=repr)
+        if unknown:
+            raise ValueError(
+                "%s holds optimizer states for parameter index %r, which this Trainer "
+                "does not update on the servers (it has %d parameters there): the file "
+                "was saved for another model" % (fname, unknown[0], len(self._chunks)))
+        for k in sorted(self._chunks):
+            shape = tuple(self._weights[k].shape)
+            form, made_by = self._state_form[k]
+            want = len(state_arrays(form))
+            if optimizer is not None and type(optimizer).__name__ != made_by:
+                # (the servers' keys were sized for the Trainer's optimizer's state)
+                raise ValueError(
+                    "%s holds the state of optimizer %s; this Trainer's optimizer is %s: "
+                    "create the Trainer with the file's optimizer"
+                    % (fname, type(optimizer).__name__, made_by))
+            if k not in states:
+                continue
+            arrays = state_arrays(states[k])
+            if len(arrays) != want or any(tuple(a.shape) != shape for a in arrays):
+                raise ValueError(
+                    "%s does not match parameter %s (index %d, shape %s, %d state arrays "
+                    "of that shape): the file holds %d arrays of shapes %s for it (saved "
+                    "for another model or optimizer)"
+                    % (fname, self._name(k), k, shape, want, len(arrays),
+                       [tuple(a.shape) for a in arrays]))
+        return states, optimizer
+
 
 def pull_targets(weights, chunks):
     """Where the servers' weights of each piece land: per Chunk of ``chunks`` (kind
@@ -132,6 +333,13 @@ def pull_targets(weights, chunks):
     ``weights``, the store's own copy of the parameter (no array a user reads)."""
     flat = weights.reshape((-1,))
     return [flat[c.layout.lo:c.layout.hi] for c in chunks]
+
+
+def _numpy(array):
+    """A state array of a states file (an NDArray, on any device) as float32 numpy."""
+    if isinstance(array, mx.nd.NDArray):
+        array = array.asnumpy()
+    return np.asarray(array, np.float32)
 
 
 def _as_lists(key, value, out):

@@ -69,7 +69,7 @@ ROW_ID_BYTES = 8              # row_sparse pushes and pulls carry int64 row ids
 
 
 # kinds of key that hold the piece's float32 values as they are, flat
-FLAT_KINDS = ("dense", "probe", "update")
+FLAT_KINDS = ("dense", "probe", "update", "state")
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,9 @@ class ChunkLayout:
 
     kind: the codec's wire form, 'dense' | 'rows' | 'slots' (kvstore.codec; 'probe':
     the start-up check that a server decodes; 'update': a dense piece of a parameter
-    whose optimizer runs on the servers, kvstore.server_route); lo, hi: the piece, in elements of the
+    whose optimizer runs on the servers, kvstore.server_route; 'state': the update
+    count and optimizer state of the 'update' key ``ref``, on its server, laid out as
+    kvstore.server's module docstring says); lo, hi: the piece, in elements of the
     flat layer for dense and slots, in filters for rows; size: elements of the piece; cols: row
     width; rows: rows of the key; slot_rows: rows per worker's slot
     (slots); slots: workers' slots (slots); codec: the codec of a slots chunk;
@@ -86,7 +88,7 @@ class ChunkLayout:
     pull: how the aggregate comes back (PULL_CODECS); pull_k: filters pulled per step
     at most (pull='gather' of a rows chunk); push_rows: rows a
     worker pushes per step at most (rows: its k filters that can fall in the chunk;
-    slots: its slot).
+    slots: its slot); ref: the ps key a 'state' key describes (-1: none).
     """
     kind: str
     lo: int
@@ -102,6 +104,7 @@ class ChunkLayout:
     slots: int = 0
     codec: str = ""
     push_rows: int = 0
+    ref: int = -1
 
     @property
     def offset(self):

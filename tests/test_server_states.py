@@ -1,0 +1,299 @@
+"""trainer.save_states and load_states where the Trainer's optimizer runs on the
+parameter servers (kvstore.server_route): the servers' optimizer state is saved, and
+loaded back so that training goes on bitwise as if it had never stopped; the file is
+Gluon's own, so it also loads where the optimizer runs on the workers, and back.
+
+Each phase is a job of 2 workers and 2 servers (``python -m mxhylo.launch``, a free
+port, a timeout on the job) running this file as the workers' script; MXNet's big-array
+bound is lowered so that on the servers' route the first layer's weight (1280
+elements) is cut in one piece per server, as a large parameter would be:
+
+    python tests/test_server_states.py PHASE DIR
+
+PHASE (below, ``PHASES``) says what the workers do; they train a Dense(64) + Dense(10)
+net with SGD (momentum 0.9) on data fixed by the step and the worker's rank, and
+write DIR/PHASE.RANK.npz (the parameters after each step, in their order) and
+DIR/PHASE.RANK.json (what they saw).
+"""
+import gc
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+
+import numpy as np
+
+from proc_helpers import processes_mentioning
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.abspath(__file__)
+BATCH = 8           # samples per worker and step
+FEATURES = 20
+JOB_TIMEOUT_S = 60  # the launcher's bound on one phase's job
+BIGARRAY_BOUND = 1000   # elements from which the servers' route cuts a parameter
+
+# phase -> (where the optimizer runs, parameters and states to start from (None: a
+# fresh net), steps trained, {after step: (parameters file, states file) rank 0 saves})
+PHASES = {
+    # steps 1-5 on the servers; a checkpoint after step 3
+    "servers": ("servers", None, range(1, 6), {3: ("p3.params", "s3.states")}),
+    # steps 4-5 on the servers from that checkpoint
+    "servers_resumed": ("servers", ("p3.params", "s3.states"), range(4, 6), {}),
+    # the same on the workers (Gluon's own load_states reads the servers' file); a
+    # checkpoint after step 4 in Gluon's own way
+    "workers_resumed": ("workers", ("p3.params", "s3.states"), range(4, 6),
+                        {4: ("p4.params", "w4.states")}),
+    # step 5 on the servers from the workers' checkpoint
+    "servers_from_workers": ("servers", ("p4.params", "w4.states"), range(5, 6), {}),
+}
+
+
+# -- the workers' script ------------------------------------------------------------------
+
+def _batch(step, rank):
+    """Inputs (BATCH, FEATURES) and labels (BATCH,) of worker ``rank`` at ``step``."""
+    rng = np.random.RandomState(1000 * step + rank)
+    return (rng.normal(size=(BATCH, FEATURES)).astype(np.float32),
+            rng.randint(0, 10, size=BATCH).astype(np.float32))
+
+
+def _worker(phase, folder):
+    import mxnet as mx
+    from mxnet import autograd, gluon
+
+    import mxhylo
+    from mxhylo.kvstore import active
+    where, start, steps, saves = PHASES[phase]
+    mx.random.seed(0)
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(64, in_units=FEATURES, activation="relu"),
+            gluon.nn.Dense(10, in_units=64))
+    net.initialize(mx.init.Xavier())
+    if start is not None:
+        net.load_parameters(os.path.join(folder, start[0]))
+    options = {"server_update": True} if where == "servers" else \
+        {"server_update": False, "policy": {".*": "none"}}
+    kv = mxhylo.create("dist_sync_hylo", cost_model=False, **options)
+    trainer = gluon.Trainer(net.collect_params(), "sgd",
+                            {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-4},
+                            kvstore=kv)
+    report = {"errors": {}}
+    if start is not None:
+        if where == "servers":
+            # files that do not fit: every worker gets the same clear error, and the
+            # job goes on (nothing collective ran)
+            for bad in ("other_model.states", "not_states.states"):
+                try:
+                    trainer.load_states(os.path.join(folder, bad))
+                    report["errors"][bad] = None
+                except ValueError as err:
+                    report["errors"][bad] = str(err)
+        trainer.load_states(os.path.join(folder, start[1]))
+        report["optimizer_after_load"] = type(trainer._optimizer).__name__
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    params = list(net.collect_params().values())
+    arrays = {}
+    for step in steps:
+        x, y = _batch(step, kv.rank)
+        with autograd.record():
+            loss = loss_fn(net(mx.nd.array(x)), mx.nd.array(y))
+        loss.backward()
+        trainer.step(BATCH)
+        for i, p in enumerate(params):
+            arrays["step%d/%d" % (step, i)] = p.data().asnumpy()
+        if step in saves and kv.rank == 0:      # rank 0 alone, as users do
+            net.save_parameters(os.path.join(folder, saves[step][0]))
+            trainer.save_states(os.path.join(folder, saves[step][1]))
+    report.update(rank=kv.rank, update_on_kvstore=bool(trainer._update_on_kvstore),
+                  route=kv.stats()["route"], shapes=[p.shape for p in trainer._params])
+    if kv._servers is not None:     # each parameter's pieces' servers
+        report["servers"] = [[c.layout.server for c in kv._servers._chunks[i]]
+                             for i in range(len(trainer._params))]
+    np.savez(os.path.join(folder, "%s.%d.npz" % (phase, kv.rank)), **arrays)
+    with open(os.path.join(folder, "%s.%d.json" % (phase, kv.rank)), "w") as f:
+        json.dump(report, f)
+    # Release the store now: left to the interpreter's teardown, the cycle through
+    # the Trainer and its parameters frees MXNet's native store after MXNet's own
+    # exit-time shutdown, and ps-lite then aborts the process ("terminate called
+    # without an active exception") instead of leaving the job cleanly.
+    active.set_active(None)
+    del trainer, kv, net, params
+    gc.collect()
+
+
+# -- the tests ----------------------------------------------------------------------------
+
+def _run(folder, phase):
+    """Run ``phase``'s job; ([per rank its parameters by 'stepS/I'], [per rank its
+    report]). The launcher ends the job's processes; any it left behind (found by
+    ``folder``, a fresh directory on every process's command line) are killed by pid."""
+    cmd = [sys.executable, "-m", "mxhylo.launch", "-n", "2", "-s", "2", "--timeout",
+           str(JOB_TIMEOUT_S), "--env", "MXNET_KVSTORE_BIGARRAY_BOUND:%d" % BIGARRAY_BOUND,
+           sys.executable, HERE, phase, str(folder)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        out, _ = proc.communicate(timeout=JOB_TIMEOUT_S + 30)
+    except subprocess.TimeoutExpired:
+        proc.terminate()            # the launcher tears its job down on SIGTERM
+        try:
+            out, _ = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        out = "(the launcher outlived its bound)\n" + out
+    finally:
+        for pid in processes_mentioning(str(folder)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    assert proc.returncode == 0, "phase %s failed:\n%s" % (phase, out[-4000:])
+    arrays = [dict(np.load(os.path.join(folder, "%s.%d.npz" % (phase, r)))) for r in (0, 1)]
+    reports = []
+    for r in (0, 1):
+        with open(os.path.join(folder, "%s.%d.json" % (phase, r))) as f:
+            reports.append(json.load(f))
+    return arrays, reports
+
+
+def _same(got, want, steps, exact=True):
+    for key in want:
+        if int(key.split("/")[0][4:]) in steps:
+            if exact:
+                np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+            else:
+                np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6,
+                                           err_msg=key)
+
+
+def _server(optimizer, n=6):
+    """A kvstore.server.ServerState (this process's, not a server's) with one 'update'
+    key 5 of ``n`` elements and its 'state' key 6, running ``optimizer``; its stored
+    arrays: (weight (n,), state (1 + arrays * n,))."""
+    import mxnet as mx
+    from mxhylo.kvstore.server import RouteOptimizer, ServerState, state_arrays
+    from mxhylo.kvstore.wire import ChunkLayout
+    arrays = len(state_arrays(optimizer.create_state(0, mx.nd.zeros((n,)))))
+    server = ServerState()
+    server.layouts = {5: ("w", ChunkLayout("update", 0, n, n)),
+                      6: ("w (optimizer state)", ChunkLayout("state", 0, n, 1 + arrays * n,
+                                                             ref=5))}
+    server.set_route(RouteOptimizer(optimizer, {5: (1.0, 1.0)}))
+    return server, mx.nd.zeros((n,)), mx.nd.zeros((1 + arrays * n,))
+
+
+def test_server_keeps_the_state_in_its_state_key_whatever_comes_first():
+    """The server's side (kvstore.server) in this process, with Adam (two state
+    arrays): registered before or after the first update, or loaded before the state
+    exists, the state key holds [count, mean, var] and the updates are bitwise those of
+    MXNet's own Adam on the whole weight."""
+    import mxnet as mx
+    rng = np.random.RandomState(3)
+    w0 = rng.normal(size=6).astype(np.float32)
+    grads = [rng.normal(size=6).astype(np.float32) for _ in range(5)]
+    reference = mx.optimizer.Adam(learning_rate=0.01, wd=1e-3)
+    weight = mx.nd.array(w0)
+    state = reference.create_state(0, weight)
+    want = []           # after each step: (weight, [count, mean, var])
+    for t, g in enumerate(grads):
+        reference.update(0, weight, mx.nd.array(g), state)
+        want.append((weight.asnumpy(), np.concatenate(
+            [[t + 1.0], state[0].asnumpy(), state[1].asnumpy()]).astype(np.float32)))
+
+    def adam():
+        return mx.optimizer.Adam(learning_rate=0.01, wd=1e-3)
+
+    zeros = mx.nd.zeros((13,))
+    for register_after in (0, 2):       # before the first update, or after two
+        server, stored, store = _server(adam())
+        stored[:] = w0
+        for t, g in enumerate(grads):
+            if t == register_after:
+                server.aggregate_into(6, store, zeros)
+            server.aggregate_into(5, stored, mx.nd.array(g))
+            np.testing.assert_array_equal(stored.asnumpy(), want[t][0])
+            if t >= register_after:
+                np.testing.assert_array_equal(store.asnumpy(), want[t][1])
+    # loaded after step 2 (rank 0's values, its first value the count + 1), before the
+    # state exists, then again over an existing state: the steps go on bitwise
+    for existing in (False, True):
+        server, stored, store = _server(adam())
+        if existing:
+            stored[:] = rng.normal(size=6).astype(np.float32)
+            server.aggregate_into(6, store, zeros)
+            server.aggregate_into(5, stored, mx.nd.array(grads[0]))
+        stored[:] = want[1][0]          # (the weights come with the parameters)
+        loaded = want[1][1].copy()
+        loaded[0] += 1
+        server.aggregate_into(6, store, mx.nd.array(loaded))
+        assert server.optimizer._index_update_count == {5: 2}
+        for t in (2, 3, 4):
+            server.aggregate_into(5, stored, mx.nd.array(grads[t]))
+            np.testing.assert_array_equal(stored.asnumpy(), want[t][0])
+            np.testing.assert_array_equal(store.asnumpy(), want[t][1])
+
+
+def test_states_saved_by_rank0_on_the_servers_resume_training_bitwise(tmp_path):
+    import mxnet as mx
+    # phase 1: steps 1-5 on the servers, rank 0 alone saves after step 3
+    first, reports = _run(tmp_path, "servers")
+    for report in reports:
+        assert report["update_on_kvstore"]
+        assert report["route"]["route"] == "servers"
+        assert report["route"]["reason"] == "server_update=True"
+        # the 1280-element weight in two pieces, one per server; the rest whole
+        assert sorted(len(p) for p in report["servers"]) == [1, 1, 1, 2]
+        assert sorted(max(report["servers"], key=len)) == [0, 1]
+    _same(first[1], first[0], range(1, 6))          # the workers agree
+    # the file is Gluon's: (states by parameter index, the optimizer with the servers'
+    # update counts), the momentum of every parameter of its shape, and not zero
+    with open(tmp_path / "s3.states", "rb") as f:
+        states, optimizer = pickle.load(f)
+    shapes = [tuple(s) for s in reports[0]["shapes"]]     # by the Trainer's index
+    assert sorted(shapes) == sorted([(64, FEATURES), (64,), (10, 64), (10,)])
+    assert sorted(states) == [0, 1, 2, 3]
+    for i, shape in enumerate(shapes):
+        assert isinstance(states[i], mx.nd.NDArray) and states[i].shape == shape
+        assert np.abs(states[i].asnumpy()).max() > 0
+    assert type(optimizer).__name__ == "SGD" and optimizer.momentum == 0.9
+    assert optimizer._index_update_count == {0: 3, 1: 3, 2: 3, 3: 3}
+    assert optimizer.num_update == 3
+
+    # files that do not fit this Trainer: another model's, and no states file at all
+    with open(tmp_path / "other_model.states", "wb") as f:
+        pickle.dump(({0: mx.nd.zeros((3, 3))}, mx.optimizer.SGD(momentum=0.9)), f)
+    with open(tmp_path / "not_states.states", "wb") as f:
+        f.write(b"a file of something else\n")
+
+    # phase 2: every worker loads the checkpoint on the servers: steps 4-5 bitwise
+    resumed, reports = _run(tmp_path, "servers_resumed")
+    for report in reports:
+        errors = report["errors"]
+        assert "does not match parameter" in errors["other_model.states"]
+        assert str(shapes[0]) in errors["other_model.states"]
+        assert "(3, 3)" in errors["other_model.states"]
+        assert "is not a Trainer's optimizer states file" in errors["not_states.states"]
+        assert report["optimizer_after_load"] == "SGD"
+    for r in (0, 1):
+        _same(resumed[r], first[0], range(4, 6))
+
+    # phase 3: Gluon's own load_states (the optimizer on the workers) takes the servers'
+    # file: the same steps (the update then runs on each worker: equal within rounding)
+    workers, reports = _run(tmp_path, "workers_resumed")
+    for report in reports:
+        assert not report["update_on_kvstore"]
+        assert report["route"]["route"] == "workers"
+    for r in (0, 1):
+        _same(workers[r], first[0], range(4, 6), exact=False)
+
+    # phase 4: and the servers take the workers' file (saved by Gluon after step 4)
+    back, _ = _run(tmp_path, "servers_from_workers")
+    for r in (0, 1):
+        _same(back[r], workers[0], range(5, 6), exact=False)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])
