@@ -142,14 +142,32 @@ class Hylo(KVStoreBase):
         self._servers.set_optimizer(optimizer)
 
     def save_optimizer_states(self, fname, dump_optimizer=False):
-        raise NotImplementedError(
-            "this Trainer's optimizer runs on the parameter servers (the plan's route: "
-            "%s), where the workers cannot read its state, as with MXNet's dist_sync. "
-            "To checkpoint optimizer states, create the store with server_update=False."
-            % self._route())
+        """Gluon's trainer.save_states where the optimizer runs on the servers: their
+        optimizer state, written as Gluon writes a Trainer's (any one worker may save;
+        kvstore.server_route.ServerRoute.save_states)."""
+        if self._servers is None:
+            raise NotImplementedError(
+                "the hylo store keeps no optimizer state on this route (%s): the "
+                "Trainer's optimizer runs on the workers, and trainer.save_states saves "
+                "it" % self._route())
+        self._servers.save_states(fname, dump_optimizer)
 
     def load_optimizer_states(self, fname):
-        self.save_optimizer_states(fname)
+        """Gluon's trainer.load_states where the optimizer runs on the servers (every
+        worker calls it; kvstore.server_route.ServerRoute.load_states)."""
+        if self._servers is None:
+            raise NotImplementedError(
+                "the hylo store keeps no optimizer state on this route (%s): the "
+                "Trainer's optimizer runs on the workers, and trainer.load_states loads "
+                "it" % self._route())
+        self._servers.load_states(fname)
+
+    @property
+    def _updater(self):
+        """Where Gluon's trainer.load_states finds the optimizer to go on with
+        (``.optimizer``) when the Trainer updates on the kvstore: the servers' route's;
+        None on the workers' route (Gluon keeps its own updaters)."""
+        return None if self._servers is None else self._servers.updater
 
     def set_gradient_compression(self, compression_params):
         raise ValueError("the hylo kvstore does its own layer-aware compression; pass its "
