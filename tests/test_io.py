@@ -199,7 +199,7 @@ def test_default_parts_come_from_a_distributed_kvstore(id_rec, monkeypatch):
     class FakeKV:
         type, num_workers, rank = "dist_sync_hylo", 3, 1
 
-    monkeypatch.setattr(active, "_ACTIVE", FakeKV())
+    monkeypatch.setattr(active, "_ACTIVE", lambda: FakeKV)   # (a weak reference)
     loader = RecordLoader(rec, idx, 64, (1, SIZE, SIZE))
     assert (loader.num_parts, loader.part_index, loader.part) == (3, 1, (450, 900))
     FakeKV.type = "local"

@@ -15,7 +15,6 @@ net with SGD (momentum 0.9) on data fixed by the step and the worker's rank, and
 write DIR/PHASE.RANK.npz (the parameters after each step, in their order) and
 DIR/PHASE.RANK.json (what they saw).
 """
-import gc
 import json
 import os
 import pickle
@@ -64,7 +63,6 @@ def _worker(phase, folder):
     from mxnet import autograd, gluon
 
     import mxhylo
-    from mxhylo.kvstore import active
     where, start, steps, saves = PHASES[phase]
     mx.random.seed(0)
     net = gluon.nn.HybridSequential()
@@ -114,13 +112,6 @@ def _worker(phase, folder):
     np.savez(os.path.join(folder, "%s.%d.npz" % (phase, kv.rank)), **arrays)
     with open(os.path.join(folder, "%s.%d.json" % (phase, kv.rank)), "w") as f:
         json.dump(report, f)
-    # Release the store now: left to the interpreter's teardown, the cycle through
-    # the Trainer and its parameters frees MXNet's native store after MXNet's own
-    # exit-time shutdown, and ps-lite then aborts the process ("terminate called
-    # without an active exception") instead of leaving the job cleanly.
-    active.set_active(None)
-    del trainer, kv, net, params
-    gc.collect()
 
 
 # -- the tests ----------------------------------------------------------------------------
