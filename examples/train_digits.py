@@ -39,9 +39,10 @@ def main():
                         help="in one process: also train uncompressed and print both")
     parser.add_argument("--policy", type=json.loads, default=None,
                         help='hylo layer policy override, JSON, e.g. \'{".*": "none"}\'')
-    parser.add_argument("--compress-pull", choices=("gather", "off", "layer", "2bit"), default=None,
-                        help="hylo: how the servers return aggregates (default: the "
-                             "library's default; see README, Compressed pull)")
+    parser.add_argument("--compress-pull", choices=("gather", "off"), default=None,
+                        help="hylo: how the servers return aggregates: gather (the "
+                             "workers' payloads, exact) or off (the dense aggregate) "
+                             "(default: the library's, gather over the servers)")
     parser.add_argument("--warmup-steps", type=int, default=None,
                         help="hylo: exchanges each compressed layer travels dense first "
                              "(default: the library's, 30)")
@@ -60,7 +61,8 @@ def main():
     mx.random.seed(args.seed)
     distributed = os.environ.get("DMLC_ROLE") == "worker"
     contexts = [mx.cpu(0)] if distributed else [mx.cpu(0), mx.cpu(1)]
-    options = {} if args.compress_pull is None else {"compress_pull": args.compress_pull}
+    options = {} if args.compress_pull is None else {
+        "compress_pull": "gather" if args.compress_pull == "gather" else False}
     if args.warmup_steps is not None:
         options["warmup_steps"] = args.warmup_steps
     if args.cost_model != "auto":

@@ -2,13 +2,13 @@
 
     python tests/dist_keys_worker.py fusion OUT      21 small tensors in one pushpull call
     python tests/dist_keys_worker.py mismatch OUT    rank 1 has a differently shaped model
-    python tests/dist_keys_worker.py pull:MODE OUT   compressed pull (compress_pull=MODE):
-        random gradients through layers cut into several chunks; writes OUT.npz too
-    python tests/dist_keys_worker.py save-alone OUT  only rank 0 saves a compressed-pull
-        checkpoint (a collective call): the job must fail within the time limit
+    python tests/dist_keys_worker.py pull:MODE OUT   the pull, MODE gather
+        (compress_pull='gather') or dense (compress_pull=False): random gradients
+        through layers cut into several chunks, a checkpoint and a resume; writes
+        OUT.npz too
     python tests/dist_keys_worker.py startup:SEED OUT  keys made between and inside
         exchanges (new layers and new buckets mid-training), every call to MXNet's
-        store delayed at random (seeded by SEED and rank), compress_pull by SEED % 4:
+        store delayed at random (seeded by SEED and rank), compress_pull by SEED % 2:
         the sums must be exact
     python tests/dist_keys_worker.py stall OUT      exchanges until the job is stopped,
         writing the last completed step to OUT after each (the test stops a server)
@@ -25,17 +25,18 @@
     python tests/dist_keys_worker.py order:HOW OUT  a small conv net trained 4 steps by a
         gluon.Trainer, its step exchanged in one call as backward writes the gradients
         (HOW=step, the store's hook, overlap on), in one call once backward has ended
-        (HOW=nooverlap) or by Gluon's own loop, one key at a time in order
-        (HOW=serial); the first layer's backward is made late (0.8 s); writes the
-        parameters to OUT.npz and, per step, when backward ended and when each layer's
-        push left (perf_counter)
+        (HOW=nooverlap: hylo.OVERLAP = False) or by Gluon's own loop, one key at a
+        time in order (HOW=serial); the first layer's backward is made late (0.8 s);
+        writes the parameters to OUT.npz and, per step, when backward ended and when
+        each layer's push left (perf_counter)
     python tests/dist_keys_worker.py route:HOW OUT  a conv net (one layer cut over the
         servers) trained 3 steps by a gluon.Trainer with momentum SGD, Gluon's default
         update_on_kvstore: HOW=servers (a hylo store, server_update=True), dist_sync
         (MXNet's own store), auto (a hylo store, server_update='auto') or
         auto_dense_pull (the same with compress_pull=False, the cost model off); then, with
-        servers, the Trainer's learning rate and momentum set to 0 and 2 more steps;
-        writes the parameters after the 3 steps (and after the 2) to OUT.npz
+        servers, the Trainer's learning rate and momentum set to 0, 2 more steps and
+        trainer.save_states; writes the parameters after the 3 steps (and after the 2)
+        to OUT.npz
     python tests/dist_keys_worker.py broadcast OUT  parameters broadcast from rank 0
         (large and small, float16, in place); OUT.npz: what was sent and got
 OUT may contain {rank}; the worker writes its results there as JSON.
@@ -52,6 +53,18 @@ import mxhylo
 mode, out = sys.argv[1], sys.argv[2]
 
 
+def key_sizes(chunk_elements=None, split_elements=None, bucket_bytes=None):
+    """Smaller parameter-server keys than the store's (kvstore.transport_ps, read when
+    a store is made): layers cut into several chunks, buckets split early."""
+    from mxhylo.kvstore import transport_ps
+    if chunk_elements is not None:
+        transport_ps.CHUNK_ELEMENTS = chunk_elements
+    if split_elements is not None:
+        transport_ps.SPLIT_ELEMENTS = split_elements
+    if bucket_bytes is not None:
+        transport_ps.BUCKET_BYTES = bucket_bytes
+
+
 def start_sums(kv, shapes):
     """Broadcast zeros of every layer of ``shapes`` (name -> shape); (sorted keys, and
     two float64 sums per key, of what is sent and of what comes back)."""
@@ -62,12 +75,13 @@ def start_sums(kv, shapes):
             {k: np.zeros(shapes[k], np.float64) for k in keys})
 
 
-def compressed_pull(pull_mode):
+def pull(pull_mode):
     """Random gradients, 4 steps; checkpoint; 2 steps (A); restore; the same 2 (B)."""
-    # 'conv' (9216 elements) forced to top-k (the rule would send it 2-bit: DIST_POLICY
-    # of tests/test_pull.py)
-    kv = mxhylo.create("dist_sync_hylo", compress_pull=pull_mode, chunk_elements=4096,
-                       split_elements=8192, warmup_steps=0, policy={"^conv$": "conv_topk"})
+    # 'conv' (9216 elements) forced to top-k (the rule would send it 2-bit)
+    key_sizes(chunk_elements=4096, split_elements=8192)
+    kv = mxhylo.create("dist_sync_hylo", compress_pull={"gather": "gather",
+                                                        "dense": False}[pull_mode],
+                       warmup_steps=0, policy={"^conv$": "conv_topk"})
     shapes = {"conv": (64, 16, 3, 3), "fc": (96, 200), "fc_odd": (50, 333),
               "bias": (10,), "conv_small": (8, 4, 1, 1)}
     keys, sent, got = start_sums(kv, shapes)
@@ -104,22 +118,12 @@ def compressed_pull(pull_mode):
                "dense_bytes": stats["dense_bytes"]}, open(out.format(rank=kv.rank), "w"))
 
 
-def save_alone():
-    """Only rank 0 saves a compressed-pull checkpoint: it must fail, not hang."""
-    kv = mxhylo.create("dist_sync_hylo", compress_pull="2bit", collective_timeout=5)
-    kv.broadcast("fc", mx.nd.zeros((64, 256)), out=mx.nd.zeros((64, 256)))
-    kv.pushpull("fc", mx.nd.ones((64, 256)))
-    if kv.rank == 0:
-        kv.save_residuals(out.format(rank=kv.rank) + ".ckpt")
-    kv.pushpull("fc", mx.nd.ones((64, 256)))
-
-
 def startup(seed):
     """Start-up under shaken timing: layers and buckets appear during training."""
     import random
     import time
     # every pull mode in turn: each lays out its keys differently
-    pull = [False, "gather", "layer", "2bit"][seed % 4]
+    pull = [False, "gather"][seed % 2]
     kv = mxhylo.create("dist_sync_hylo", size_threshold=1024, compress_pull=pull)
     native = kv.transport.kv
     rng = random.Random(seed * 1000 + kv.rank)
@@ -178,8 +182,8 @@ def stall():
 
 def fp16():
     """The fp16 codec (its own file, one registry entry) over the parameter server."""
-    kv = mxhylo.create("dist_sync_hylo", policy={"fc": "fp16"}, chunk_elements=32768,
-                       split_elements=1 << 30, warmup_steps=0)
+    key_sizes(chunk_elements=32768, split_elements=1 << 30)
+    kv = mxhylo.create("dist_sync_hylo", policy={"fc": "fp16"}, warmup_steps=0)
     shape = (96, 1000)
     kv.broadcast("fc", mx.nd.zeros(shape), out=mx.nd.zeros(shape))
     rng = np.random.RandomState(300 + kv.rank)
@@ -251,8 +255,11 @@ def trainer_order(how):
     # (a fixed conv_rate: the adaptive rule would send this small conv 2-bit)
     # (small buckets: the layers after the late one, fused, are not bucketed with the
     # conv's bias, written after it)
+    key_sizes(bucket_bytes=4096)
+    if how == "nooverlap":
+        from mxhylo.kvstore import hylo as hylo_store
+        hylo_store.OVERLAP = False      # read when the store is made
     kv = mxhylo.create("dist_sync_hylo", warmup_steps=0, size_threshold=1024, conv_rate=0.1,
-                       overlap=how != "nooverlap", bucket_bytes=4096,
                        server_update=False)    # (hylo's exchange is what is tested)
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
                             kvstore=kv)
@@ -322,9 +329,10 @@ def route(how):
               "store": type(trainer._kvstore).__name__}
     if how != "dist_sync":
         report["route"] = kv.stats()["route"]
-    if report["store"] == "ServerUpdateStore":     # each parameter's pieces' servers
+    servers = getattr(trainer._kvstore, "_servers", None)   # a hylo store's route
+    if servers is not None:                             # each parameter's pieces' servers
         report["pieces"] = {str(i): [c.layout.server for c in chunks]
-                            for i, chunks in trainer._kvstore._chunks.items()}
+                            for i, chunks in servers._chunks.items()}
     arrays = {"first/" + k: v for k, v in first.items()}
     if how == "servers":
         trainer.set_learning_rate(0.0)
@@ -342,16 +350,15 @@ def route(how):
 def drift():
     """Rank 0's exchanges drift, rank 1's do not: both measure again at the same step."""
     from mxnet import gluon
-    from mxhylo.kvstore import cost_model
-    from mxhylo.kvstore import hylo as hylo_store
-    hylo_store.DRIFT_CHECK_STEPS, hylo_store.DRIFT_WINDOW = 3, 2
+    from mxhylo.kvstore import cost_model, planner
+    planner.DRIFT_CHECK_STEPS, planner.DRIFT_WINDOW = 3, 2
     mx.random.seed(0)
     net = gluon.nn.HybridSequential()
     net.add(gluon.nn.Dense(64, in_units=256, activation="relu"), gluon.nn.Dense(10, in_units=64))
     net.initialize(mx.init.Xavier())
     # (hylo's own route: the drift checks are its exchanges')
     kv = mxhylo.create("dist_sync_hylo", cost_model=True, warmup_steps=0,
-                       cost_recheck_steps=0, server_update=False)
+                       server_update=False)
     times = iter([0.01] * 6 + [0.1 if kv.rank == 0 else 0.01] * 100)
     real_add = cost_model.ExchangeDrift.add
     cost_model.ExchangeDrift.add = lambda self, seconds: real_add(self, next(times))
@@ -376,7 +383,6 @@ def drift():
 def recheck():
     """Layers compressed, then dense, compressed and dense again, by recheck_costs;
     the cost model's probes are real, only its fitted wire numbers are forced."""
-    from mxhylo.kvstore import hylo as hylo_store
     from mxhylo.kvstore.cost_model import CostModel, WireCost
 
     per_byte = iter([1e-6, 1e-15, 1e-6, 1e-15])     # slow, fast, slow, fast
@@ -386,10 +392,12 @@ def recheck():
         model = real(cls, array, *args, **kwargs)
         model.wire = WireCost(model.wire.latency_s, next(per_byte))
         return model
-    hylo_store.CostModel.from_array = classmethod(forced)
-    kv = mxhylo.create("dist_sync_hylo", cost_model=True, warmup_steps=1,
-                       chunk_elements=4096, split_elements=8192,
-                       policy={"^conv$": "conv_topk", "^fc$": "fc_2bit", ".*": "none"})
+    CostModel.from_array = classmethod(forced)
+    key_sizes(chunk_elements=4096, split_elements=8192)
+    # (by the rule, not named in policy: the costs do not overrule a codec the user
+    # named; a fixed conv_rate sends 'conv' top-k, where the adaptive rule would send
+    # it 2-bit)
+    kv = mxhylo.create("dist_sync_hylo", cost_model=True, warmup_steps=1, conv_rate=0.1)
     shapes = {"conv": (64, 16, 3, 3), "fc": (96, 200), "bias": (10,)}
     keys, sent, got = start_sums(kv, shapes)
     rng = np.random.RandomState(7 + kv.rank)
@@ -423,7 +431,8 @@ def recheck():
 def broadcast():
     """Parameters of every worker's own random values (large and small, a float16 one,
     one broadcast in place) broadcast in turn; what each sent and got to OUT.npz."""
-    kv = mxhylo.create("dist_sync_hylo", cost_model=False, chunk_elements=4096)
+    key_sizes(chunk_elements=4096)
+    kv = mxhylo.create("dist_sync_hylo", cost_model=False)
     rng = np.random.RandomState(kv.rank)
     shapes = [(3,), (10000,), (70, 130), (5, 7), (4096,), (9000,)]
     arrays = {}
@@ -475,12 +484,8 @@ if mode.startswith("startup:"):
     startup(int(mode[len("startup:"):]))
     sys.exit(0)
 
-if mode == "save-alone":
-    save_alone()
-    sys.exit(0)
-
 if mode.startswith("pull:"):
-    compressed_pull(mode[len("pull:"):])
+    pull(mode[len("pull:"):])
     sys.exit(0)
 
 kv = mxhylo.create("dist_sync_hylo")

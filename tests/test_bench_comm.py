@@ -314,20 +314,3 @@ def test_synthetic_gradients_scale_and_seed():
     other = comm_worker.synthetic_gradients(shapes, 0.01, seed=2, pool=10007)
     assert (again[1].asnumpy() == g[1].asnumpy()).all()
     assert not (other[1].asnumpy() == g[1].asnumpy()).all()
-
-
-def test_pull_checks_apply_the_compressed_pull_bar():
-    def res(seconds, push, pull):
-        return {"status": "ok", "seconds": seconds,
-                "wire": {"push_bytes_per_step": push, "pull_bytes_per_step": pull}}
-    report = {"results": {
-        "m1": {"dense_pushpull": res(2.0, 800, 800), "hylo_pull": res(0.4, 50, 100),
-               "hylo_pull2bit": res(0.6, 50, 50)},
-        "m2": {"dense_pushpull": {"status": "failed"}, "hylo_pull": res(0.1, 1, 1)}}}
-    for per_mode in report["results"].values():
-        comm.add_speedups(per_mode, floor_s=1.0)
-    checks = comm.pull_checks(report)
-    assert set(checks) == {"m1/hylo_pull", "m1/hylo_pull2bit"}    # no baseline: no check
-    assert checks["m1/hylo_pull"]["ok"] and checks["m1/hylo_pull"]["speedup"] == 5.0
-    assert checks["m1/hylo_pull"]["pull_fraction"] == 0.125
-    assert not checks["m1/hylo_pull2bit"]["ok"]                   # 3.3x only

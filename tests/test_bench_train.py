@@ -426,3 +426,14 @@ def _descendants(root):
         out += kids
         frontier += kids
     return out
+
+
+def test_nooverlap_mode_makes_its_store_with_the_switch_off(monkeypatch):
+    """hylo_nooverlap: the worker turns mxhylo.kvstore.hylo.OVERLAP off before it makes
+    its store (no option does it)."""
+    from mxhylo.kvstore import hylo
+    monkeypatch.setattr(hylo, "OVERLAP", True)
+    kv, update_on_kvstore = train_worker.HyloNoOverlap().kvstore({})
+    assert kv.overlap is False and kv.pipeline.order == "after"
+    assert update_on_kvstore is None
+    assert train_worker.HyloNoOverlap.options == {}

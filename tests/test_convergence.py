@@ -4,15 +4,10 @@ A short version of ``python -m mxhylo.bench accuracy`` (2 workers + 2 servers,
 conv_net on the digits at 16 px, constant lr 0.02 (the study's first protocol: no
 schedule to hide a slower start), seed 0, 6 epochs = 126 steps): hylo's
 default store against MXNet's dist_sync. Measured (seed 0): dist_sync 97.1% (82.4% at
-3 epochs); hylo default 95.3% (76.2%) on 2026-11-24 00:30 UTC with the mean value of
-fc_2bit (kvstore.compressors.TwoBit), 96.0% (77.5%) with the threshold as the value
-and the 2-bit conv rule (kvstore.policy), 92.7% (78.6%) with top-k convs as well;
-plain error feedback with the 'layer'
-pull and no warm-up (`--hylo-options '{"momentum_correction": false, "compress_pull":
-"layer", "warmup_steps": 0}'`) reached 79.3% at 22:25 UTC: the bound below fails if
-convergence per step falls back to that. At 126
-steps seeds differ by several points (the accuracy study's spread), so the bound is
-not tighter.
+3 epochs); hylo's default 95.3% (76.2%). Plain error feedback without warm-up, with
+the aggregate compressed a second time on its way back, reached 79.3%: the bound below
+fails if convergence per step falls back to that. At 126 steps seeds differ by several
+points (the accuracy study's spread), so the bound is not tighter.
 """
 import json
 import os

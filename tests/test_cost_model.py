@@ -61,7 +61,7 @@ def test_prediction_formula_for_each_pull():
     n, p = plan.size, 4 * (plan.size // 16) + 4
     wire = WireCost(0.001, 1e-8)
     codecs = {"fc_2bit": CodecCost(3e-9, 2e-9)}
-    for pull, down, decodes in (("gather", 4 * p, 4), (None, 4 * n, 0), ("layer", p, 1),
+    for pull, down, decodes in (("gather", 4 * p, 4), (None, 4 * n, 0),
                                 ("allgather", 2 * p, 4)):
         pred = CostModel(wire, codecs, 4, pull).predict(plan, p)
         assert pred.dense_s == pytest.approx(0.001 + 4 * n * 1e-8)
@@ -166,7 +166,7 @@ class _NoServers:
 
 def _placed(links, sizes, servers=2):
     from mxhylo.kvstore.ps_keys import KeyTable
-    table = KeyTable(_NoServers(), servers, 1 << 20, 1 << 18, 1 << 16, None, 1.0, False)
+    table = KeyTable(_NoServers(), servers, 1 << 20, 1 << 18, 1 << 16, None, False)
     if links is not None:
         table.use_links(links, 1234)
         assert table.split_elements == 1234

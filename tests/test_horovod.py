@@ -133,16 +133,14 @@ def test_missing_horovod_is_a_clear_error(monkeypatch):
         mxhylo.create()                     # 'auto' under horovodrun
 
 
-def test_compressed_pull_and_server_state_are_refused():
+def test_a_compressed_pull_and_the_servers_options_are_refused():
+    """The store gives Horovod no compressed pull (its allgather already returns every
+    worker's payload: compress_pull True and 'gather' mean the allgather there); the
+    transport refuses one, and the parameter servers' key sizes are no options."""
     with pytest.raises(ValueError, match="has none"):
-        mxhylo.create(transport="horovod", compress_pull="gather")
-    with pytest.raises(TypeError, match="unknown options"):
+        HorovodTransport(compress_pull="gather")
+    with pytest.raises(TypeError, match="bucket_bytes"):
         mxhylo.create(transport="horovod", bucket_bytes=1 << 20)
-    transport = HorovodTransport.__new__(HorovodTransport)   # no collective needed
-    assert transport.server_state() == {}
-    transport.load_server_state({})
-    with pytest.raises(ValueError, match="no servers"):
-        transport.load_server_state({"fc": (np.zeros(4, np.float32), [None])})
 
 
 # -- two Horovod processes ---------------------------------------------------------------

@@ -16,7 +16,7 @@ CTX2 = [mx.cpu(0), mx.cpu(1)]
 @pytest.fixture(autouse=True)
 def _compress_from_the_first_step(monkeypatch):
     """These tests check the codecs step by step: no warm-up (dense first steps)."""
-    monkeypatch.setattr("mxhylo.kvstore.hylo.DEFAULT_WARMUP_STEPS", 0)
+    monkeypatch.setattr("mxhylo.kvstore.options.DEFAULT_WARMUP_STEPS", 0)
 
 def nd(a, ctx=mx.cpu(0)):
     return mx.nd.array(a, ctx=ctx, dtype=a.dtype)
@@ -214,7 +214,7 @@ def test_trainer_names_from_gluon_and_policy_regex():
     assert layers[net.weight.name]["policy"] == "fc_2bit"
 
 
-def test_trainer_step_exchanges_last_layer_first_and_order_changes_no_value():
+def test_trainer_step_exchanges_last_layer_first_and_order_changes_no_value(monkeypatch):
     """The Trainer's step reaches the transport last layer first (the order backward
     mostly produces gradients) with overlap off, and every layer once, in the order
     they were written, with it on; the same keys exchanged first layer first give
@@ -224,14 +224,15 @@ def test_trainer_step_exchanges_last_layer_first_and_order_changes_no_value():
         net.add(gluon.nn.Conv2D(32, 3, in_channels=16),
                 gluon.nn.Dense(64, in_units=32 * 36), gluon.nn.Dense(10, in_units=64))
         net.initialize(ctx=CTX2)
-        kv = mxhylo.create(warmup_steps=0, overlap=overlap)
+        monkeypatch.setattr("mxhylo.kvstore.hylo.OVERLAP", overlap)   # read by create
+        kv = mxhylo.create(warmup_steps=0)
         seen = []
         exchange = kv.transport.exchange
 
-        def recording(items, exchange=exchange, seen=seen):
-            items = list(items)
+        def recording(*args, exchange=exchange, seen=seen):
+            items = list(args[-1])          # (the transport's items come last)
             seen.append([layer.plan.name for layer, _, _ in items])
-            return exchange(items)
+            return exchange(*args[:-1], items)
         kv.transport.exchange = recording
         trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
                                 kvstore=kv)
@@ -413,12 +414,63 @@ def test_options_given_at_their_default_values_behave_as_the_defaults():
     """Only an option set to something other than its default fixes the plan (and with
     cost_model='auto' leaves the cost model out): size_threshold=8192, compress_pull
     'gather' over the parameter server, an empty policy are the defaults."""
-    from mxhylo.kvstore.hylo import plan_options_given
+    from mxhylo.kvstore.options import make_options
     from mxhylo.kvstore.policy import DEFAULT_SIZE_THRESHOLD
+
+    def plan_options_given(policy, size_threshold, conv_rate, compress_pull, distributed):
+        return list(make_options("ps" if distributed else "local", policy=policy,
+                                 size_threshold=size_threshold, conv_rate=conv_rate,
+                                 compress_pull=compress_pull).given)
     assert plan_options_given(None, None, None, "auto", True) == []
     assert plan_options_given({}, DEFAULT_SIZE_THRESHOLD, None, "gather", True) == []
     assert plan_options_given(None, None, None, False, False) == []   # in one process
     assert plan_options_given(None, 1024, None, "auto", True) == ["size_threshold"]
     assert plan_options_given({".*": "none"}, None, 0.05, False, True) == \
         ["policy", "conv_rate", "compress_pull"]
-    assert plan_options_given(None, None, None, "gather", False) == ["compress_pull"]
+    # in one process every compressed pull is the dense one, the default there
+    assert plan_options_given(None, None, None, "gather", False) == []
+    assert plan_options_given(None, None, None, True, True) == []     # True: 'gather'
+    assert plan_options_given(None, None, None, False, True) == ["compress_pull"]
+
+
+# what a user of each removed option is told to do instead (a part of the message)
+REMOVED = {"momentum_masking": "drop the option", "max_conv_rate": "conv_rate=",
+           "min_conv_rate": "conv_rate=", "threshold_scale": "drop the option",
+           "cost_recheck_steps": "cost_model=False", "cost_drift": "cost_model=False",
+           "overlap": "drop the option", "chunk_elements": "drop the option",
+           "bucket_bytes": "drop the option", "split_elements": "drop the option"}
+
+
+@pytest.mark.parametrize("name", sorted(REMOVED))
+def test_a_removed_option_is_a_type_error_naming_its_replacement(name):
+    from mxhylo.kvstore.options import REMOVED_OPTIONS
+    assert set(REMOVED_OPTIONS) == set(REMOVED)
+    for value in (True, 0, 1.5):
+        with pytest.raises(TypeError) as err:
+            mxhylo.create(**{name: value})
+        message = str(err.value)
+        assert name in message and REMOVED[name] in message, message
+    with pytest.raises(TypeError, match=name):
+        Hylo(**{name: 1})
+
+
+def test_unknown_options_are_type_errors_naming_each():
+    with pytest.raises(TypeError, match="nope: not an option of the hylo store"):
+        mxhylo.create(nope=1)
+    with pytest.raises(TypeError) as err:
+        mxhylo.create("dist_sync_hylo", overlap=False, nope=1)
+    message = str(err.value)
+    assert "overlap" in message and "nope: not an option" in message, message
+
+
+@pytest.mark.parametrize("value", ["layer", "2bit", "off"])
+def test_a_removed_compressed_pull_is_a_value_error_naming_gather_and_false(value):
+    from mxhylo.kvstore.policy import compress_pull_mode
+    for distributed in (True, False):
+        with pytest.raises(ValueError) as err:
+            compress_pull_mode(value, distributed)
+        message = str(err.value)
+        assert repr(value) in message and "'gather'" in message and "False" in message, \
+            message
+    with pytest.raises(ValueError, match="compress_pull='gather'.* or False"):
+        mxhylo.create(compress_pull=value)

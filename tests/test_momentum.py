@@ -64,29 +64,11 @@ def _conv_layer(conv_rate=0.25):
     return plan, kv.compressors[plan.strategy]
 
 
-def test_factor_masking_zeroes_the_velocity_where_sent():
-    memory = ResidualMemory()
-    plan, compressor = _conv_layer()
-    g = mx.nd.array(np.random.RandomState(1).normal(size=plan.shape))
-    ctx = momentum.MomentumContext(0.9, 1.0)
-    v = momentum.accumulate("conv", g, memory, ctx)
-    np.testing.assert_array_equal(v.asnumpy(), g.asnumpy())     # first step: u = g
-    payload = compressor.encode(plan, v, memory)
-    momentum.keep_velocity("conv", v, payload, compressor, memory, masking=True)
-    u = memory.array("conv", "velocity", g).asnumpy()
-    sent = payload.arrays[0].asnumpy()
-    assert len(sent) == 2
-    assert np.all(u[sent] == 0)
-    rest = np.setdiff1d(np.arange(8), sent)
-    np.testing.assert_array_equal(u[rest], g.asnumpy()[rest])
-
-
 @pytest.mark.parametrize("strategy", ["conv_topk", "fc_2bit"])
-def test_without_masking_error_feedback_delivers_dense_momentum(strategy):
-    """The store's default (no factor masking): what a worker has sent after T steps,
-    plus its residual, is exactly the sum of dense momentum's velocities
-    u_t = m u_{t-1} + g_t. With masking it is less: the momentum of sent values is
-    lost."""
+def test_error_feedback_delivers_dense_momentum(strategy):
+    """What a worker has sent after T steps, plus its residual, is exactly the sum of
+    dense momentum's velocities u_t = m u_{t-1} + g_t: the velocity runs on whole,
+    nothing of it is masked where sent."""
     rng = np.random.RandomState(2)
     m, steps = 0.9, 12
     if strategy == "conv_topk":
@@ -100,22 +82,17 @@ def test_without_masking_error_feedback_delivers_dense_momentum(strategy):
     for g in grads:
         u = m * u + g
         dense_sum += u
-    delivered = {}
-    for masking in (False, True):
-        memory, total = ResidualMemory(), np.zeros(plan.shape, np.float64)
-        for g in grads:
-            v = momentum.accumulate(plan.name, mx.nd.array(g), memory,
-                                    momentum.MomentumContext(m, 1.0))
-            payload = compressor.encode(plan, v, memory)
-            momentum.keep_velocity(plan.name, v, payload, compressor, memory, masking)
-            sent = mx.nd.zeros(plan.shape)
-            compressor.decode(payload, sent)
-            total += sent.asnumpy()
-        delivered[masking] = total + memory.get(plan.name).asnumpy()
-    default = mxhylo.create().momentum_masking         # what a user gets: no masking
-    np.testing.assert_allclose(delivered[default], dense_sum, rtol=1e-4, atol=1e-4)
-    lost = np.abs(dense_sum - delivered[True]).sum() / np.abs(dense_sum).sum()
-    assert lost > 0.1, lost
+    memory, total = ResidualMemory(), np.zeros(plan.shape, np.float64)
+    for g in grads:
+        v = momentum.accumulate(plan.name, mx.nd.array(g), memory,
+                                momentum.MomentumContext(m, 1.0))
+        payload = compressor.encode(plan, v, memory)
+        momentum.keep_velocity(plan.name, v, memory)
+        sent = mx.nd.zeros(plan.shape)
+        compressor.decode(payload, sent)
+        total += sent.asnumpy()
+    delivered = total + memory.get(plan.name).asnumpy()
+    np.testing.assert_allclose(delivered, dense_sum, rtol=1e-4, atol=1e-4)
 
 
 def _trainer_steps(kv, steps, seed=0, optimizer="sgd", opts=None):
@@ -165,8 +142,6 @@ def test_momentum_correction_follows_the_trainer_optimizer():
                        optimizer="adam", opts={"learning_rate": 0.01})
     with pytest.raises(ValueError, match="momentum_correction must be"):
         mxhylo.create(momentum_correction="yes")
-    with pytest.raises(ValueError, match="momentum_masking must be"):
-        mxhylo.create(momentum_masking="yes")
     with pytest.raises(ValueError, match="warmup_steps must be"):
         mxhylo.create(warmup_steps=-1)
 

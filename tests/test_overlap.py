@@ -13,7 +13,7 @@ from mxnet import autograd, gluon
 
 import mxhylo
 from mxhylo import ops
-from mxhylo.kvstore import readiness
+from mxhylo.kvstore import hylo as hylo_store, readiness
 
 needs_cpp = pytest.mark.skipif(ops.backend() != "cpp",
                                reason="readiness needs mxhylo's operator library")
@@ -127,12 +127,13 @@ def _net():
     return net
 
 
-def _train(overlap, steps=3, **options):
+def _train(monkeypatch, overlap, steps=3, **options):
     mx.random.seed(7)
     np.random.seed(7)
     net = _net()
-    kv = mxhylo.create("hylo", overlap=overlap, warmup_steps=0, size_threshold=1024,
-                       conv_rate=0.1, **options)
+    monkeypatch.setattr(hylo_store, "OVERLAP", overlap)      # read when a store is made
+    kv = mxhylo.create("hylo", warmup_steps=0, size_threshold=1024, conv_rate=0.1,
+                       **options)
     trainer = gluon.Trainer(net.collect_params(), "sgd",
                             {"learning_rate": 0.05, "momentum": 0.9}, kvstore=kv)
     # structural names (conv.weight, ...): the same in every run of the test
@@ -162,15 +163,16 @@ LATER = ("fc.weight", "fc.bias", "out.weight", "out.bias")   # after the late on
 
 
 @needs_cpp
-def test_overlapped_step_pushes_during_backward_and_equals_the_serial_one():
+def test_overlapped_step_pushes_during_backward_and_equals_the_serial_one(monkeypatch):
     """The layers whose gradients backward writes before the late one go while it
     still sleeps (uncompressed: every one of them; compressed: the exchange has begun,
     see README "Overlap" for why an encode may wait on MXNet's temp space); the
-    serial exchange (overlap=False) starts after backward. Bitwise the same weights."""
+    serial exchange (hylo.OVERLAP = False) starts after backward. Bitwise the same
+    weights."""
     for options in ({"policy": {".*": "none"}}, {}):
-        params_on, timing_on, policies, kv = _train(True, **options)
+        params_on, timing_on, policies, kv = _train(monkeypatch, True, **options)
         assert kv.stats()["options"]["overlap"] is True
-        params_off, timing_off, _, _ = _train(False, **options)
+        params_off, timing_off, _, _ = _train(monkeypatch, False, **options)
         for name, value in params_on.items():
             np.testing.assert_array_equal(params_off[name], value, err_msg=name)
         # (from the second step: in the first, the late operator's recorded end does
@@ -189,13 +191,23 @@ def test_overlapped_step_pushes_during_backward_and_equals_the_serial_one():
     assert policies["conv.weight"] == "conv_topk" and policies["fc.weight"] == "fc_2bit"
 
 
-def test_overlap_option_resolved_and_checked(monkeypatch):
-    assert mxhylo.create("hylo", overlap=False).overlap is False
-    with pytest.raises(ValueError, match="overlap must be"):
-        mxhylo.create("hylo", overlap="yes")
-    assert mxhylo.create("hylo", overlap=False)._order == "after"
+def test_overlap_switch_is_read_when_a_store_is_made(monkeypatch):
+    """hylo.OVERLAP = False: the serial order ('after': once every gradient is
+    written); on, the order backward writes the gradients where mxhylo's operator
+    library is loaded, else the order given. A store keeps the order it was made with;
+    overlap is no option of the store."""
+    monkeypatch.setattr(hylo_store, "OVERLAP", False)
+    kv = mxhylo.create("hylo")
+    assert kv.overlap is False and kv.pipeline.order == "after"
+    assert kv.stats()["options"]["overlap"] is False
+    monkeypatch.setattr(hylo_store, "OVERLAP", True)
+    assert kv.pipeline.order == "after"                     # made with it off
+    monkeypatch.setattr(readiness, "available", lambda: True)
+    on = mxhylo.create("hylo")
+    assert on.overlap is True and on.pipeline.order == "written"
     monkeypatch.setattr(readiness, "available", lambda: False)
     kv = mxhylo.create("hylo")
-    assert kv.overlap is False and kv._order == "given"     # 'auto': the order given
-    with pytest.raises(ValueError, match="operator library"):
+    assert kv.overlap is False and kv.pipeline.order == "given"
+    with pytest.raises(TypeError, match="overlap"):
         mxhylo.create("hylo", overlap=True)
+

@@ -2,17 +2,15 @@
 and the servers' side of it (kvstore.server), in one process. Through real servers:
 tests/test_dist.py (equal to dist_sync bitwise, a new learning rate reaching the
 servers, every worker taking rank 0's choice)."""
-import contextlib
-
 import mxnet as mx
 import numpy as np
 import pytest
 from mxnet import gluon
 
 import mxhylo
-from mxhylo.kvstore import cost_model, hylo as hylo_store
-from mxhylo.kvstore.cost_model import (CodecCost, CostModel, LinkCosts, RouteChoice,
-                                      RouteCosts, WireCost)
+from mxhylo.kvstore.cost_model import (CodecCost, CostModel, RouteChoice, RouteCosts,
+                                      WireCost)
+from mxhylo.kvstore.plan import TrainerFacts, refusal
 from mxhylo.kvstore.server import RouteOptimizer, ServerState
 from mxhylo.kvstore.wire import ChunkLayout
 
@@ -30,148 +28,45 @@ def test_route_rule_weighs_the_update_where_it_runs():
     # a tie goes to the servers (the dense setup)
     assert RouteCosts(1.0, 1.0, 0.0, 2).route() == "servers"
     assert RouteCosts(1.0, 0.5, 0.0, 2).route(margin=0.6) == "servers"
-    # close: the faster within 30% of the slower (1.2 vs 0.9), so measured again
-    assert costs.close() and not RouteCosts(2.5, 0.9, 0.15, 2).close()
-    choice = RouteChoice("workers", "measured", costs).as_dict()
+    choice = RouteChoice("workers", "predicted", costs).as_dict()
     assert choice["route"] == "workers" and choice["servers_s"] == pytest.approx(1.2)
+    assert choice["workers_s"] == pytest.approx(0.9) and choice["servers"] == 2
     assert RouteChoice("workers", "server_update=False").as_dict() == {
         "route": "workers", "reason": "server_update=False"}
 
 
-def _timed_routes(dense, hylo, links=None):
-    """RouteCosts the store's _time_routes makes when its timed exchanges give, round
-    by round, ``dense`` and ``hylo`` seconds (a stand-in transport of 2 servers, whose
-    cost model has ``links``: LinkCosts or None), and the warm-up flags each route's
-    timer was called with."""
-    kv = mxhylo.create("hylo")
-    trainer = _trainer(kv)
-    kv.cost = CostModel(WireCost(0.0, 1e-9), {}, 1, links=links)
-    dense, hylo, warmups = iter(dense), iter(hylo), {"dense": [], "hylo": []}
-
-    def time_dense(shapes, warmup=True):
-        warmups["dense"].append(warmup)
-        return next(dense)
-
-    @contextlib.contextmanager
-    def probe(names, shapes, trainer):
-        def timed(warmup):
-            warmups["hylo"].append(warmup)
-            return next(hylo)
-        yield timed
-    kv.transport.time_dense, kv._hylo_probe = time_dense, probe
-    kv.transport.num_servers = 2
-    return kv._time_routes(trainer, 0.0), warmups
-
-
-def test_routes_are_timed_again_while_close():
-    # far apart: one round
-    costs, warmups = _timed_routes([2.5], [0.9])
-    assert costs.rounds == 1
-    assert (costs.dense_s, costs.hylo_s) == pytest.approx((2.5, 0.9))   # (float32)
-    assert warmups == {"dense": [True], "hylo": [True]}
-    # close (3.1 vs 2.5): a second round, still close: a third, the medians decide
-    costs, warmups = _timed_routes([3.1, 2.4, 2.3, 9.9], [2.5, 2.6, 2.4, 9.9])
-    assert costs.rounds == 3 and warmups == {"dense": [True, False, False],
-                                             "hylo": [True, False, False]}
-    assert (costs.dense_s, costs.hylo_s) == pytest.approx((2.4, 2.5))
-    assert costs.route() == "servers"      # the first round alone said 'workers'
-    assert RouteCosts(3.1, 2.5, costs.update_s, 2).route() == "workers"
-    # close, then apart: two rounds
-    costs, _ = _timed_routes([3.0, 9.0, 9.0], [2.5, 1.0, 1.0])
-    assert costs.rounds == 2 and costs.route() == "workers"
-
-
-def test_dense_route_is_not_timed_where_its_floor_loses():
-    """Hylo's route is timed first; where it beats the links' floor of a dense exchange
-    (LinkCosts.dense_floor_s) by the margin, the dense exchange is not timed at all."""
-    links = LinkCosts((WireCost(0.0, 0.03), WireCost(0.0, 0.06)), 0.0)
-    # the trainer's parameters: 15 float32 (60 bytes); the links carry 1/0.03 + 1/0.06
-    # bytes per second together, both ways at once: no dense exchange under 0.6 s
-    assert links.dense_floor_s(60) == pytest.approx(0.6)
-    costs, warmups = _timed_routes([], [0.3], links)
-    assert warmups == {"dense": [], "hylo": [True]}
-    assert costs.dense_bound and costs.rounds == 1 and costs.route() == "workers"
-    assert costs.dense_s == pytest.approx(0.6) and costs.hylo_s == pytest.approx(0.3)
-    assert RouteChoice("workers", "measured", costs).as_dict()["dense_bound"]
-    # hylo's exchange not clearly below the floor: the dense one is timed, as before
-    costs, warmups = _timed_routes([2.5], [0.9], links)
-    assert warmups == {"dense": [True], "hylo": [True]}
-    assert not costs.dense_bound and costs.dense_s == pytest.approx(2.5)
-    # without the links' figures (one server, Horovod, cost model off): timed
-    costs, warmups = _timed_routes([2.5], [0.3])
-    assert warmups == {"dense": [True], "hylo": [True]} and not costs.dense_bound
-
-
-def _route_choice(monkeypatch, available_bytes, per_byte_s=1.0, encode_s=0.0, cost=True):
-    """The RouteChoice a store with size_threshold=4 makes for a Trainer of one Dense
-    layer (a 3x4 weight planned fc_2bit, 15 float32 elements in all) when its host has
-    ``available_bytes`` of memory available, its cost model a wire of ``per_byte_s``
-    and codecs of ``encode_s`` per element (cost=False: none), and 2 servers; with
-    whether the probes ran (the stand-ins record it)."""
-    monkeypatch.setattr(hylo_store, "available_memory_bytes", lambda: available_bytes)
+def _route_plan(per_byte_s=1.0, encode_s=0.0):
+    """The Plan a store with size_threshold=4 makes for a Trainer of one Dense layer (a
+    3x4 weight planned fc_2bit, 15 float32 elements in all) when its measurement found
+    a wire of ``per_byte_s`` and codecs of ``encode_s`` per element, over 2 servers;
+    with the exchanges it ran to choose."""
     kv = mxhylo.create("hylo", size_threshold=4)
     trainer = _trainer(kv)
     codec = CodecCost(encode_s, 0.0)
-    kv.cost = CostModel(WireCost(0.0, per_byte_s), {"fc_2bit": codec, "conv_topk": codec},
-                        1) if cost else None
-    probed = []
-
-    def time_dense(shapes, warmup=True):
-        probed.append("dense")
-        return 2.0
-
-    @contextlib.contextmanager
-    def probe(names, shapes, trainer):
-        probed.append("hylo")
-        yield lambda warmup: 1.0
-    kv.transport.time_dense, kv._hylo_probe = time_dense, probe
-    kv.transport.num_servers = 2
-    return kv._choose_route(trainer), probed
+    kv.planner.cost = CostModel(WireCost(0.0, per_byte_s),
+                                {"fc_2bit": codec, "conv_topk": codec}, 1)
+    # as over the parameter server: 2 servers, compressed layers' payloads gathered
+    kv.transport.num_servers, kv.planner.pull = 2, "gather"
+    exchanged = []
+    exchange = kv.transport.exchange
+    kv.transport.exchange = lambda *args: (exchanged.append(args), exchange(*args))[1]
+    return kv.planner.plan_trainer(trainer), exchanged
 
 
-def test_route_is_predicted_where_the_probes_would_not_fit_in_memory(monkeypatch):
-    """The probes hold ROUTE_PROBE_BYTES_PER_ELEMENT per parameter element on every
-    worker at once: where rank 0's host has not that much to spare (ROUTE_MEMORY_SHARE)
-    nothing is probed, and the cost model's sums over the layers decide; hylo's route
-    only where its own state fits too. (vgg16's probes, 4 workers on one 24 GiB
-    machine, ran it out of memory.)"""
-    share = hylo_store.ROUTE_MEMORY_SHARE
-    probes = hylo_store.ROUTE_PROBE_BYTES_PER_ELEMENT * 15       # one worker
-    state = hylo_store.ROUTE_WORKERS_BYTES_PER_ELEMENT * 15
-    assert state < probes
-    # room for the probes: timed, as before
-    choice, probed = _route_choice(monkeypatch, probes / share * 1.01)
-    assert choice.reason == "measured" and probed == ["hylo", "dense"]
-    assert choice.route == "workers" and choice.costs.rounds == 1   # 1.0 s against 2.0
-    # no room for the probes, room for hylo's route; a slow wire: compressing pays
-    tight = probes / share * 0.99
-    choice, probed = _route_choice(monkeypatch, tight)
-    assert probed == [] and choice.route == "workers"
-    assert choice.reason.startswith("predicted: the route probes would need")
-    assert choice.costs.predicted and choice.costs.rounds == 0
-    assert choice.costs.dense_s == pytest.approx(4 * 15 * 1.0)          # 60 bytes dense
-    assert choice.costs.hylo_s < 0.5 * choice.costs.dense_s
-    assert choice.as_dict()["predicted"] is True
+def test_route_is_predicted_layer_by_layer_without_exchanging_the_model():
+    """The cost model prices each route over the Trainer's layers (CostModel.predict):
+    the servers' as every layer dense, hylo's as each layer is planned; only the
+    optimizer's update is timed, no exchange of the model runs to choose."""
+    # a slow wire: compressing pays
+    plan, exchanged = _route_plan()
+    assert exchanged == [] and plan.route == "workers" and "predicted" in plan.route_reason
+    assert plan.servers_s == pytest.approx(4 * 15 * 1.0, rel=1e-3)     # 60 bytes dense
+    assert plan.workers_s < 0.5 * plan.servers_s
+    assert plan.layer(plan.layers[0].name).codec in ("fc_2bit", "none")
     # codecs that cost more than the bytes they save: every layer dense, the servers
-    choice, probed = _route_choice(monkeypatch, tight, per_byte_s=1e-9, encode_s=1.0)
-    assert probed == [] and choice.route == "servers"
-    assert choice.costs.hylo_s == pytest.approx(choice.costs.dense_s)
-    # no room for hylo's route either: the servers, though compressing would pay
-    choice, probed = _route_choice(monkeypatch, state / share * 0.99)
-    assert probed == [] and choice.route == "servers"
-    assert "hylo's route would hold" in choice.reason and choice.costs.route() == "workers"
-    # no cost model to predict by: the servers (dist_sync's exchange, the lighter)
-    choice, probed = _route_choice(monkeypatch, tight, cost=False)
-    assert probed == [] and choice.route == "servers" and choice.costs is None
-    assert "no cost model" in choice.reason
-
-
-def test_available_memory_is_read_from_the_host():
-    available = cost_model.available_memory_bytes()
-    assert available > 0
-    with open("/proc/meminfo") as f:
-        total = [float(l.split()[1]) * 1024 for l in f if l.startswith("MemTotal:")][0]
-    assert available <= total
+    plan, exchanged = _route_plan(per_byte_s=1e-9, encode_s=1.0)
+    assert exchanged == [] and plan.route == "servers"
+    assert all(d.codec == "none" for d in plan.layers)
 
 
 # -- what refuses the servers' route ------------------------------------------------------
@@ -191,7 +86,8 @@ def test_in_one_process_there_are_no_servers_to_update_on():
     net_params = list(trainer._params)
     for p in net_params:
         p.grad()[:] = 1.0
-    with pytest.raises(ValueError, match="server_update=True, but LocalTransport has no servers"):
+    with pytest.raises(ValueError, match="server_update=True, but the local transport has "
+                                         "no servers"):
         trainer.step(1, ignore_stale_grad=True)
     kv = mxhylo.create("hylo")          # 'auto': the workers, and stats() says why
     trainer = _trainer(kv)
@@ -199,8 +95,9 @@ def test_in_one_process_there_are_no_servers_to_update_on():
         p.grad()[:] = 1.0
     trainer.step(1, ignore_stale_grad=True)
     assert trainer._kvstore is kv and not trainer._update_on_kvstore
-    assert kv.stats()["route"] == {"route": "workers",
-                                   "reason": "LocalTransport has no servers"}
+    route = kv.stats()["route"]
+    assert (route["route"], route["reason"]) == ("workers",
+                                                 "the local transport has no servers")
 
 
 @pytest.mark.parametrize("case, match", [
@@ -223,9 +120,11 @@ def test_what_keeps_the_optimizer_on_the_workers(case, match):
         trainer = _trainer(kv, params={"learning_rate": 0.1, "multi_precision": True})
     else:
         trainer = _trainer(kv, dtype="float16")
-    assert match in kv._route_refused(trainer)
-    assert kv._route_refused(_trainer(kv, "adam")) is None
-    assert kv._route_refused(_trainer(kv, "nag", {"momentum": 0.9})) is None
+    def refused(trainer):
+        return refusal(TrainerFacts.from_trainer(trainer), 2, "ps")
+    assert match in refused(trainer)
+    assert refused(_trainer(kv, "adam")) is None
+    assert refused(_trainer(kv, "nag", {"momentum": 0.9})) is None
 
 
 def test_server_update_option_is_checked():

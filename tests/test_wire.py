@@ -1,6 +1,6 @@
-"""Round trips of kvstore.wire's push and checkpoint-state layouts: each writer against
-its reader, on random chunkings, through MXNet's own row_sparse sum (what a server
-does with the workers' pushes). The pull layouts' round trips are in test_pull.py."""
+"""Round trips of kvstore.wire's push layouts: each writer against its reader, on
+random chunkings, through MXNet's own row_sparse sum (what a server does with the
+workers' pushes). The pull layouts' round trips are in test_pull.py."""
 import mxnet as mx
 import numpy as np
 import pytest
@@ -9,7 +9,7 @@ from mxhylo import ops
 from mxhylo.kvstore.codec import Payload
 from mxhylo.kvstore.compressors import make_compressors
 from mxhylo.kvstore.wire import (ROW_ID_BYTES, empty_push, plan_chunks, push_slot,
-                                 push_rows, read_state, slot_payload, state_values)
+                                 push_rows, slot_payload)
 
 
 def _server_sum(pushes):
@@ -117,26 +117,6 @@ def test_rows_pushes_sum_to_the_scatter_add():
         np.testing.assert_array_equal(got[:c.hi - c.lo], dense[c.lo:c.hi])
 
 
-@pytest.mark.parametrize("pull", ["fc_2bit", "conv_topk"])
-def test_server_state_round_trip(pull):
-    """A chunk's residual and threshold (None included) survive state_values ->
-    read_state bitwise, at odd sizes; only an fc_2bit pull carries a threshold."""
-    rng = np.random.RandomState(5)
-    strategy = "fc_2bit" if pull == "fc_2bit" else "conv_topk"
-    shape = (37, 53) if strategy == "fc_2bit" else (31, 5, 3, 3)
-    for c in plan_chunks(strategy, shape, 2, 2, 1024, pull=pull, pull_rate=0.1):
-        if not c.stateful_pull:
-            continue
-        residual = rng.randn(c.size).astype(np.float32)
-        residual[:3] = [0.0, -0.0, np.float32(1e-42)]
-        for threshold in (None, float(np.float32(0.37))):
-            values = state_values(c, residual, threshold)
-            assert values.shape == (c.state_rows * c.cols,) and values.dtype == np.float32
-            back, t = read_state(c, values)
-            np.testing.assert_array_equal(back.view(np.uint32), residual.view(np.uint32))
-            assert t == (threshold if pull == "fc_2bit" else None)
-
-
 @pytest.mark.parametrize("n", [0, 1, 14, 15, 16, 17, 29, 30, 31, 1000, 4097])
 def test_packed_bytes_are_normal_floats_that_survive_a_sum(n):
     """pack_bytes puts 15 bytes in 4 float32 values, every one a normal number (not
@@ -181,15 +161,14 @@ def test_gather_conv_layer_is_one_key_whatever_its_size():
 def test_gather_slots_key_holds_the_slots_only(workers):
     """A 'gather' slots key is as tall as the W slots it carries, not as the layer's
     dense rows (a key's rows are fixed by its initial value: a dense-tall key would keep
-    a dense copy of the layer on its server); the pulls that need more rows keep them."""
+    a dense copy of the layer on its server); the dense pull keeps the dense rows."""
     shape = (4096, 4096)
     for c in plan_chunks("fc_2bit", shape, workers, 2, pull="gather"):
         assert c.pull == "gather"
         assert c.rows == c.pull_rows == workers * c.slot_rows < c.dense_rows
         assert c.key_shape == (c.rows, c.cols)
-    for pull in ("none", "fc_2bit"):
-        for c in plan_chunks("fc_2bit", shape, workers, 2, pull=pull):
-            assert c.rows >= c.dense_rows
+    for c in plan_chunks("fc_2bit", shape, workers, 2, pull="none"):
+        assert c.rows >= c.dense_rows
 
 
 def test_the_store_is_made_with_the_split_lifted_and_the_environment_restored(monkeypatch):
@@ -229,35 +208,28 @@ class _RecordingStore:
 
 @pytest.mark.parametrize("strategy, shape", [("fc_2bit", (512, 300)),
                                              ("conv_topk", (64, 32, 3, 3))])
-def test_a_route_probe_layer_has_no_broadcast_or_warm_up_keys(strategy, shape):
-    """A probe layer's keys are those of its compressed exchange only: MXNet keeps each
-    key's initial value on rank 0 and a copy on its server for the job's life, so a
-    broadcast key and warm-up keys would each hold a model copy there."""
-    from mxhylo.kvstore.hylo import Layer
+def test_a_layer_has_a_broadcast_key_warm_up_keys_and_its_exchange_keys(strategy, shape):
+    """A compressed layer broadcast: its broadcast key holds a copy of the value (MXNet
+    sends nothing from an array in oneDNN's own layout: kvstore.trainer_hook), its
+    warm-up keys the dense rest, and the keys of its compressed exchange no dense copy
+    of the layer (MXNet keeps each key's initial value on rank 0 and on its server)."""
+    from types import SimpleNamespace
     from mxhylo.kvstore.policy import LayerPlan
     from mxhylo.kvstore.ps_keys import KeyTable
-    layer = Layer("w", LayerPlan("w", shape, strategy, rate=0.25, k=16),
-                  make_compressors()[strategy])
+    layer = SimpleNamespace(key="w", plan=LayerPlan("w", shape, strategy, rate=0.25, k=16))
     value, size = mx.nd.ones(shape), int(np.prod(shape))
-    made, tables = {}, {}
-    for probe in (False, True):
-        store = _RecordingStore()
-        table = tables[probe] = KeyTable(store, 2, 1 << 20, 1 << 18, 1 << 16, "gather",
-                                         1.0, True)
-        before = set(store.initialised)
-        table.init(layer, value, probe=probe)
-        made[probe] = {k: v for k, v in store.initialised.items() if k not in before}
-    exchanged = [c.pskey for c in tables[True].chunks["w"]]
-    assert sorted(made[True]) == exchanged and "w" not in tables[True].warm_chunks
-    assert not any(v is value for v in made[True].values())
-    assert not any(v.stype == "default" and v.size >= size        # no dense copy
-                   for v in made[True].values())
-    # the same layer broadcast: its broadcast key holds a copy of the value (MXNet
-    # sends nothing from an array in oneDNN's own layout: kvstore.trainer_hook), and
-    # its warm-up keys the dense rest
-    sent = made[False][tables[False].broadcast_key(layer)]
+    store = _RecordingStore()
+    table = KeyTable(store, 2, 1 << 20, 1 << 18, 1 << 16, "gather", True)
+    before = set(store.initialised)                  # (the model check's key)
+    table.init(layer, value)
+    made = {k: v for k, v in store.initialised.items() if k not in before}
+    sent = made[table.broadcast_key(layer)]
     assert sent is not value and np.array_equal(sent.asnumpy(), value.asnumpy())
-    warm = [c.pskey for c in tables[False].warm_chunks["w"]]
-    assert sum(made[False][k].size for k in warm) == size
-    assert all(made[False][k].stype == "default" for k in warm)
-    assert len(made[False]) == 1 + len(warm) + len(exchanged)
+    warm = [c.pskey for c in table.warm_chunks["w"]]
+    assert sum(made[k].size for k in warm) == size
+    assert all(made[k].stype == "default" for k in warm)
+    exchanged = [c.pskey for c in table.chunks["w"]]
+    assert not any(made[k] is value for k in exchanged)
+    assert not any(made[k].stype == "default" and made[k].size >= size   # no dense copy
+                   for k in exchanged)
+    assert len(made) == 1 + len(warm) + len(exchanged)

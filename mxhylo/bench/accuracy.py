@@ -2,7 +2,7 @@
 
 ``python -m mxhylo.bench accuracy [--nets digits_net,conv_net,resnet20 --lrs 0.02,0.05,0.1
 --epochs 20 --short-epochs 6 --lr-schedule cosine --warmup-epochs 1
---modes dense,hylo,hylo_densepull,hylo_pull2bit --seeds 3 --workers 4 --servers 2] --json F``
+--modes dense,hylo,hylo_densepull --seeds 3 --workers 4 --servers 2] --json F``
 
 For every net, learning rate, seed and mode, one parameter-server job (``python -m
 mxhylo.launch -n W -s S``) whose workers each call :func:`mxhylo.digits.train` (momentum
@@ -17,9 +17,6 @@ scikit-learn's digits: 1347 training / 450 test images) and record test accuracy
   (compress_pull 'gather', momentum correction): what a user gets where the cost model
   keeps every offered layer compressed (a slow network; the worst case for accuracy).
 - ``hylo_densepull``: compress_pull=False (the dense pull of Hylo as published).
-- ``hylo_layer``: compress_pull='layer' (the servers re-compress, with their own
-  residuals: the previous default).
-- ``hylo_pull2bit``: compress_pull='2bit'.
 - ``hylo_nomc``: the default without momentum correction (plain error feedback).
 
 Learning rate: by default as gluoncv's training scripts schedule it (``--lr-mode cosine``
@@ -63,19 +60,15 @@ import numpy as np
 from ..digits import LR_SCHEDULES
 from .comm import parse_hylo_options
 
-MODES = ("dense", "2bit", "hylo", "hylo_densepull", "hylo_layer", "hylo_pull2bit",
-         "hylo_nomc")
-DEFAULT_MODES = ("dense", "hylo", "hylo_densepull", "hylo_pull2bit")
+MODES = ("dense", "2bit", "hylo", "hylo_densepull", "hylo_nomc")
+DEFAULT_MODES = ("dense", "hylo", "hylo_densepull")
 COLORS = {"dense": "tab:blue", "2bit": "tab:orange", "hylo": "tab:red",
-          "hylo_densepull": "tab:green", "hylo_layer": "tab:purple",
-          "hylo_pull2bit": "tab:brown", "hylo_nomc": "tab:gray"}
+          "hylo_densepull": "tab:green", "hylo_nomc": "tab:gray"}
 # mxhylo.create options of the hylo modes. 'hylo' turns the cost model off: on this
 # machine's loopback it may leave layers dense, which converge as dense does; the study
 # measures compression itself, every layer the policy offers compressed (the worst case
-# of the default). The other modes give compress_pull, which turns it off already.
+# of the default). hylo_densepull gives compress_pull, which turns it off already.
 HYLO_OPTIONS = {"hylo": {"cost_model": False}, "hylo_densepull": {"compress_pull": False},
-                "hylo_layer": {"compress_pull": "layer"},
-                "hylo_pull2bit": {"compress_pull": "2bit"},
                 "hylo_nomc": {"momentum_correction": False, "cost_model": False}}
 DEFAULT_NETS = ("digits_net", "conv_net", "resnet20")
 TARGET_FRACTION = 0.95          # of dense's mean final accuracy

@@ -49,8 +49,8 @@ from .horovod_jobs import HOROVOD_MODES, horovod_available
 from .jobs import JobError, _Interrupted, clean_env, run_job
 
 ALL_MODES = ("dense_pushpull", "dense_push_pull", "mxnet_2bit", "hylo", "hylo_gather",
-             "hylo_pull", "hylo_pull2bit", "hylo_auto") + HOROVOD_MODES
-HYLO_MODES = ("hylo", "hylo_gather", "hylo_pull", "hylo_pull2bit", "hylo_auto")
+             "hylo_auto") + HOROVOD_MODES
+HYLO_MODES = ("hylo", "hylo_gather", "hylo_auto")
 DEFAULT_MODELS = ("resnet50_v1b", "vgg16", "alexnet")
 BASELINE = "dense_pushpull"
 FLOAT_BYTES = 4
@@ -300,30 +300,6 @@ def job_timeout(summary, num_workers, steps, warmup):
     rounds = steps + warmup + 2
     return 120.0 + rounds * (6.0 * summary["dense_pull_floor_s"]
                              + num_workers * summary["dense_bytes"] / _CPU_BYTES_PER_S)
-
-
-def pull_checks(report, modes=("hylo_pull", "hylo_pull2bit"), min_speedup=4.0,
-                max_fraction=1.0 / 8):
-    """The compressed-pull bar, per model and compressed-pull mode that ran with the
-    baseline: at least ``min_speedup`` x dense pushpull, and wire bytes per direction
-    (interface counters) at most ``max_fraction`` of the baseline's."""
-    checks = {}
-    for model, per_mode in report["results"].items():
-        base = per_mode.get(BASELINE, {})
-        if base.get("status") != "ok" or "wire" not in base:
-            continue
-        for mode in modes:
-            res = per_mode.get(mode, {})
-            if res.get("status") != "ok" or "wire" not in res:
-                continue
-            push = res["wire"]["push_bytes_per_step"] / base["wire"]["push_bytes_per_step"]
-            pull = res["wire"]["pull_bytes_per_step"] / base["wire"]["pull_bytes_per_step"]
-            speedup = res["speedup_vs_" + BASELINE]
-            checks["%s/%s" % (model, mode)] = {
-                "speedup": speedup, "push_fraction": push, "pull_fraction": pull,
-                "ok": bool(speedup >= min_speedup and push <= max_fraction
-                           and pull <= max_fraction)}
-    return checks
 
 
 def format_table(report):
@@ -703,13 +679,8 @@ def run_rate(args, rate, shapes=None, plot=None):
             add_speedups(per_mode, summaries[m]["dense_pull_floor_s"])
 
     report["table"] = format_table(report)
-    report["pull_checks"] = pull_checks(report)
     for line in report["table"]:
         _log(line)
-    for name, check in sorted(report["pull_checks"].items()):
-        _log("%-28s %.2fx dense pushpull, push %.3f / pull %.3f of dense: %s" % (
-            name, check["speedup"], check["push_fraction"], check["pull_fraction"],
-            "ok" if check["ok"] else "BELOW the bar (>= 4x, <= 1/8 each way)"))
     if plot:
         write_plot(report, plot)
         report["plot"] = plot

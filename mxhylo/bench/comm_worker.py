@@ -153,12 +153,6 @@ class HyloMode:
         return self.kv.stats()
 
 
-class HyloPullMode(HyloMode):
-    """hylo_pull: hylo with compress_pull=True: the servers return each compressed
-    layer's aggregate with the layer's own codec (server-side error feedback)."""
-    compress_pull = True
-
-
 class HyloGatherMode(HyloMode):
     """hylo_gather: hylo with compress_pull='gather' (the default) and no cost model
     (every layer as the policy plans it): the servers return the workers' own
@@ -169,12 +163,6 @@ class HyloGatherMode(HyloMode):
         cfg = dict(cfg, hylo_options=dict(cfg.get("hylo_options") or {}))
         cfg["hylo_options"].setdefault("cost_model", False)
         super().__init__(cfg)
-
-
-class HyloPull2BitMode(HyloMode):
-    """hylo_pull2bit: hylo with compress_pull='2bit': every compressed layer's
-    aggregate comes back 2-bit."""
-    compress_pull = "2bit"
 
 
 class HyloAutoMode(HyloMode):
@@ -233,9 +221,7 @@ MODES = {
     "dense_push_pull": DensePushThenPull,
     "mxnet_2bit": MXNet2Bit,
     "hylo": HyloMode,
-    "hylo_pull": HyloPullMode,
     "hylo_gather": HyloGatherMode,
-    "hylo_pull2bit": HyloPull2BitMode,
     "horovod_dense": HorovodDenseMode,
     "hylo_horovod": HyloHorovodMode,
 }

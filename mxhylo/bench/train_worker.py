@@ -109,9 +109,13 @@ class HyloDensePull(HyloMode):
 
 
 class HyloNoOverlap(HyloMode):
-    options = {"overlap": False}
-    description = ("mxhylo.create('dist_sync_hylo', overlap=False): the exchange starts "
-                   "once backward has ended")
+    description = ("mxhylo.create('dist_sync_hylo') made with mxhylo.kvstore.hylo.OVERLAP "
+                   "= False: the exchange starts once backward has ended")
+
+    def kvstore(self, cfg):
+        from mxhylo.kvstore import hylo
+        hylo.OVERLAP = False        # read when the store is made (this worker's only)
+        return super().kvstore(cfg)
 
 
 class HyloWorkers(HyloMode):
@@ -233,6 +237,13 @@ def store_warmup_exchanges(kv):
     return int(n or 0)
 
 
+def on_servers_route(kv):
+    """Whether a hylo store runs its Trainer's optimizer on the servers (its stats()
+    route, chosen at the Trainer's first step); False for other stores."""
+    route = kv.stats().get("route") if hasattr(kv, "stats") else None
+    return bool(route) and route.get("route") == "servers"
+
+
 def exchanges_done(kv):
     """Exchanges the store has counted so far (kv.stats()['steps']), 0 without stats."""
     return int((kv.stats() if hasattr(kv, "stats") else {}).get("steps") or 0)
@@ -269,7 +280,9 @@ def run_speed(cfg, index):
     with autograd.train_mode():
         net(data)
     mx.nd.waitall()
+    t_store = time.perf_counter()
     kv, trainer = make_trainer(cfg, net, cfg["lr"])
+    store_s = time.perf_counter() - t_store     # the store's construction (and measuring)
     # the stores sum the workers' gradients: normalise by the global batch
     global_batch = B * batch_workers(kv)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
@@ -289,8 +302,12 @@ def run_speed(cfg, index):
         t2 = time.perf_counter()
         mx.nd.waitall()
         t3 = time.perf_counter()
-        return {"start": w0, "seconds": t3 - t0, "fwd_bwd_call_s": t1 - t0,
+        step = {"start": w0, "seconds": t3 - t0, "fwd_bwd_call_s": t1 - t0,
                 "step_call_s": t2 - t1, "wait_s": t3 - t2}
+        first.setdefault("step", step)      # the Trainer's first step: broadcast, plan
+        return step
+
+    first = {}
 
     def split_step():
         sync.barrier()
@@ -312,9 +329,9 @@ def run_speed(cfg, index):
     store_warmup = store_warmup_exchanges(kv) if cfg.get("skip_store_warmup", True) else 0
     skipped = 0
     while store_warmup and exchanges_done(kv) < store_warmup and \
-            trainer._kvstore in (None, kv):
-        # (a hylo store that gave the Trainer the servers' route at its first step
-        # exchanges nothing more itself: no warm-up of its own to wait for)
+            trainer._kvstore in (None, kv) and not on_servers_route(kv):
+        # (a hylo store that took the servers' route at the Trainer's first step
+        # exchanges every layer dense: no warm-up of its own to wait for)
         full_step()
         skipped += 1
     warm = []
@@ -343,7 +360,9 @@ def run_speed(cfg, index):
     sync.barrier("done")
     return {"index": index, "rank": int(kv.rank), "mode": cfg["mode"], "task": "speed",
             "update_on_kvstore": bool(trainer._update_on_kvstore),
-            "setup_s": setup_s, "store_warmup_exchanges": store_warmup,
+            "setup_s": setup_s, "store_s": store_s, "first_step": first.get("step"),
+            "plan": kv.plan().as_dict() if hasattr(kv, "plan") else None,
+            "store_warmup_exchanges": store_warmup,
             "store_warmup_steps_run": skipped, "warmup": warm, "rounds": rounds, "stream": stream,
             "stats_before": stats_before, "stats": stats_after,
             "param_sha256": sha, "param_abs_sum": total, "peak_rss_bytes": peak_rss_bytes()}
