@@ -13,10 +13,10 @@ Model of one layer's exchange, in seconds, for a layer of n float32 elements:
     codec c:          t = latency + max(up, down) * per_byte + encode_c(n) + decode
         up   = p, the payload's bytes (Compressor.payload_nbytes)
         down = W * p  ('gather' pull: every worker's payload comes back)
-               4n     (dense pull), or p (a pull re-compressed by the servers)
+               4n     (dense pull)
                W/2 * p  ('allgather', the Horovod transport: see below)
         decode = payloads decoded by this worker (W with 'gather' and 'allgather',
-                 else 1) x decode_c(n)
+                 else 0) x decode_c(n)
         + n * momentum_s where momentum correction will run on the layer (a
           momentum-SGD Trainer drives the store, kvstore.momentum): its passes over
           the velocity and the previous aggregate are work a dense layer does not do
@@ -47,8 +47,8 @@ pieces of a layer is the model's, not a fixed size.
 
 Every worker must reach the same plan (the servers' layouts depend on it): rank 0
 measures, and the transport shares its numbers (CostModel.to_array / from_array).
-The store measures at start-up and again every ``cost_recheck_steps`` Trainer steps,
-and plans every layer again then (kvstore.hylo.Hylo.recheck_costs).
+The store measures at start-up (kvstore.measure) and again when its exchange drifts,
+and plans every layer again then (kvstore.planner).
 """
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
@@ -155,7 +155,7 @@ class CostModel:
     """Measured costs of this job (see the module docstring) and the rule built on them.
 
     wire: WireCost; codecs: strategy -> CodecCost; workers: W; pull: the store's
-    compress_pull mode (None, 'gather', 'layer', '2bit'), or 'allgather' over Horovod;
+    compress_pull mode (None or 'gather'), or 'allgather' over Horovod;
     margin: fraction by which the codec must beat dense; momentum_s: seconds per
     element of momentum correction's passes (time_momentum); links: each aggregation
     link alone (LinkCosts), None where the transport has no links to choose between.
@@ -184,7 +184,8 @@ class CostModel:
         elif self.pull is None:
             down, decodes = dense_bytes, 0
         else:
-            down, decodes = payload_nbytes, 1
+            raise ValueError("the cost model's pull is 'gather', 'allgather' or None, got %r"
+                             % (self.pull,))
         codec = (self.wire.latency_s + max(payload_nbytes, down) * self.wire.per_byte_s
                  + plan.size * (cost.encode_s + decodes * cost.decode_s
                                 + (self.momentum_s if momentum else 0.0)))
@@ -219,56 +220,6 @@ class CostModel:
         codecs = {s: CodecCost(a[3 + 2 * i], a[4 + 2 * i]) for i, s in enumerate(strategies)}
         return cls(WireCost(a[0], a[1]), codecs, workers, pull, margin, momentum_s=a[2],
                    links=links)
-
-
-@dataclass(frozen=True)
-class RouteCosts:
-    """One Trainer step's exchange by each route, in seconds, priced by the cost model
-    layer by layer (CostModel.predict; rank 0's figures, the same on every worker):
-
-    dense_s: every parameter dense (dist_sync's way: kvstore.server_route); hylo_s:
-    hylo's exchange (each layer as planned, compressed where that pays); update_s: the
-    Trainer's optimizer over every parameter on one worker (timed); servers: the number
-    of servers, which share the update on the servers' route.
-
-    The servers' route costs dense_s + update_s / servers, the workers' (hylo's)
-    hylo_s + update_s: every worker runs the whole update. Overlap between layers is
-    left out, alike on both sides.
-    """
-    dense_s: float
-    hylo_s: float
-    update_s: float
-    servers: int
-
-    @property
-    def servers_s(self):
-        return self.dense_s + self.update_s / max(self.servers, 1)
-
-    @property
-    def workers_s(self):
-        return self.hylo_s + self.update_s
-
-    def route(self, margin=DEFAULT_MARGIN):
-        """'workers' (hylo's exchange, the update on every worker) where it is at least
-        ``margin`` faster than the servers' route, else 'servers': on a tie a dense
-        setup is the safer bet."""
-        return "workers" if self.workers_s < (1.0 - margin) * self.servers_s else "servers"
-
-
-@dataclass(frozen=True)
-class RouteChoice:
-    """Where a Trainer's optimizer runs and why: route 'servers' | 'workers'; reason:
-    'predicted' (costs: RouteCosts), or what decided without measuring."""
-    route: str
-    reason: str
-    costs: Optional[RouteCosts] = None
-
-    def as_dict(self):
-        out = {"route": self.route, "reason": self.reason}
-        if self.costs is not None:
-            out.update(vars(self.costs), servers_s=self.costs.servers_s,
-                       workers_s=self.costs.workers_s)
-        return out
 
 
 # -- measuring a codec -------------------------------------------------------------------

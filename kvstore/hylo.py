@@ -338,7 +338,12 @@ class Hylo(KVStoreBase):
         """Restore what save_residuals wrote (before the next pushpull)."""
         state = mx.nd.load(fname)
         # mx.nd.save of an empty dict loads back as an empty list
-        self.memory.load_state_dict(state if isinstance(state, dict) else {})
+        state = state if isinstance(state, dict) else {}
+        if any(k.startswith(("server_residual/", "server_thresholds/")) for k in state):
+            raise ValueError("%s holds the servers' residuals of a re-compressed pull "
+                             "(compress_pull 'layer' or '2bit'), which is no longer "
+                             "offered: it cannot be resumed by this version" % fname)
+        self.memory.load_state_dict(state)
 
 
 class DistSyncHylo(Hylo):

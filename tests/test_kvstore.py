@@ -474,3 +474,18 @@ def test_a_removed_compressed_pull_is_a_value_error_naming_gather_and_false(valu
             message
     with pytest.raises(ValueError, match="compress_pull='gather'.* or False"):
         mxhylo.create(compress_pull=value)
+
+
+def test_the_readme_options_table_is_the_one_in_kvstore_options():
+    """The options table is written once (kvstore/options.py TABLE) and the README shows
+    it as rendered; the store takes exactly those options."""
+    import inspect
+    import os
+    from mxhylo.kvstore import options
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    shown = readme.split("<!-- options:")[1].split("-->", 1)[1].split("<!-- /options -->")[0]
+    assert shown.strip() == options.table_markdown().strip()
+    taken = [p for p in inspect.signature(options.make_options).parameters
+             if p not in ("transport", "unknown")] + ["transport"]
+    assert sorted(taken) == sorted(row[0] for row in options.TABLE)
+    assert len(options.TABLE) <= 12

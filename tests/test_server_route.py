@@ -8,8 +8,7 @@ import pytest
 from mxnet import gluon
 
 import mxhylo
-from mxhylo.kvstore.cost_model import (CodecCost, CostModel, RouteChoice, RouteCosts,
-                                      WireCost)
+from mxhylo.kvstore.cost_model import CodecCost, CostModel, WireCost
 from mxhylo.kvstore.plan import TrainerFacts, refusal
 from mxhylo.kvstore.server import RouteOptimizer, ServerState
 from mxhylo.kvstore.wire import ChunkLayout
@@ -18,21 +17,20 @@ from mxhylo.kvstore.wire import ChunkLayout
 # -- the rule ----------------------------------------------------------------------------
 
 def test_route_rule_weighs_the_update_where_it_runs():
-    # the update: on every worker in hylo's route, shared by the servers in theirs
-    costs = RouteCosts(dense_s=1.0, hylo_s=0.5, update_s=0.4, servers=2)
-    assert costs.servers_s == pytest.approx(1.2)
-    assert costs.workers_s == pytest.approx(0.9)
-    assert costs.route() == "workers"                       # 0.9 < 0.9 * 1.2
-    # hylo's exchange faster, but not by the margin once the update is counted
-    assert RouteCosts(1.0, 0.8, 0.2, 2).route() == "servers"    # 1.0 vs 0.9 * 1.1
-    # a tie goes to the servers (the dense setup)
-    assert RouteCosts(1.0, 1.0, 0.0, 2).route() == "servers"
-    assert RouteCosts(1.0, 0.5, 0.0, 2).route(margin=0.6) == "servers"
-    choice = RouteChoice("workers", "predicted", costs).as_dict()
-    assert choice["route"] == "workers" and choice["servers_s"] == pytest.approx(1.2)
-    assert choice["workers_s"] == pytest.approx(0.9) and choice["servers"] == 2
-    assert RouteChoice("workers", "server_update=False").as_dict() == {
-        "route": "workers", "reason": "server_update=False"}
+    """The update runs on every worker in hylo's route and is shared by the servers in
+    theirs: with every layer dense either way, the update decides (4 s of update, 2
+    servers: 2 s on the servers' route against 4 s on the workers')."""
+    from mxhylo.kvstore.plan import Costs, make_plan
+    from mxhylo.kvstore.policy import LayerPolicy
+    costs = Costs(WireCost(0.0, 1e-9), {"fc_2bit": CodecCost(1.0, 1.0),
+                                        "conv_topk": CodecCost(1.0, 1.0)}, update_s=4.0)
+    plan = make_plan([("w", (1000, 1000))], policy=LayerPolicy(), compress_pull="gather",
+                     server_update="auto", costs=costs, trainer=TrainerFacts(),
+                     num_workers=4, num_servers=2, transport="ps")
+    assert plan.layer("w").codec == "none"          # the codec costs far more than bytes
+    assert plan.servers_s == pytest.approx(0.004 + 2.0)
+    assert plan.workers_s == pytest.approx(0.004 + 4.0)
+    assert plan.route == "servers"
 
 
 def _route_plan(per_byte_s=1.0, encode_s=0.0):
