@@ -287,6 +287,14 @@ def summarise_speed(worker_results, before, after, steps):
     res["warmup_step_s"] = [max(r["warmup"][i]["full"]["seconds"] for r in worker_results)
                             for i in range(min(len(r["warmup"]) for r in worker_results))]
     res["setup_s"] = max(r["setup_s"] for r in worker_results)
+    if all(r.get("first_step") for r in worker_results):
+        # the store's construction (its measuring included) and the Trainer's first
+        # step (the broadcast, a hylo store's plan), each the slowest worker's
+        res["store_s"] = max(r["store_s"] for r in worker_results)
+        res["first_step_s"] = max(r["first_step"]["seconds"] for r in worker_results)
+        res["store_and_first_step_s"] = max(r["store_s"] + r["first_step"]["seconds"]
+                                            for r in worker_results)
+    res["plan"] = worker_results[0].get("plan")     # (the same on every worker)
     res["store_warmup_steps_run"] = max(r.get("store_warmup_steps_run", 0)
                                         for r in worker_results)
     res["update_on_kvstore"] = worker_results[0].get("update_on_kvstore")
