@@ -176,13 +176,22 @@ class Hylo(KVStoreBase):
     def broadcast(self, key, value, out, priority=0):
         """Make every array of ``out`` equal to rank 0's ``value`` for ``key`` (or keys)."""
         keys, values, outs = normalize_call(key, value, out, "broadcast")
+        layers, firsts, layer_outs, routed = [], [], [], ([], [], [])
         for k, vals, os_ in zip(keys, values, outs):
             if len(vals) != 1:
                 raise ValueError("broadcast of key %r takes one value, got %d" % (k, len(vals)))
             if self._servers is not None and isinstance(k, (int, np.integer)):
-                self._servers.broadcast(k, vals[0], os_, priority)
+                for part, x in zip(routed, (k, vals, os_)):
+                    part.append(x)
                 continue
-            self.pipeline.broadcast(self._layer(k, vals[0].shape), vals[0], os_)
+            layers.append(self._layer(k, vals[0].shape))
+            firsts.append(vals[0])
+            layer_outs.append(os_)
+        # (each route's keys made at once: one barrier of the job each)
+        if routed[0]:
+            self._servers.broadcast(*routed, priority=priority)
+        if layers:
+            self.pipeline.broadcast(layers, firsts, layer_outs)
 
     def pushpull(self, key, value, out=None, priority=0):
         """Sum ``value`` over devices and workers through compression; write into ``out``.

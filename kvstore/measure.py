@@ -49,7 +49,7 @@ def measure(transport, policy, compressors, pull):
         key = "__hylo_cost_probe_%d__" % n
         layer = probes.layer(key, policy.plan_as(key, (n,), "none"))
         value = mx.nd.zeros((n,))
-        probes.broadcast(layer, value, [value])
+        probes.broadcast([layer], [value], [[value]])
         times = []
         for _ in range(COST_PROBE_REPEATS):
             start = time.perf_counter()

@@ -79,8 +79,10 @@ class StepPipeline:
         if plan.strategy != "none":
             self.memory.set_scalar(plan.name, "warmup_done", self.warmup_steps)
 
-    def broadcast(self, layer, value, outs):
-        self.transport.broadcast(layer, value, outs)
+    def broadcast(self, layers, values, outs):
+        """Rank 0's ``values`` (one per layer) into every array of ``outs`` (a list per
+        layer); the layers' keys are made first, all at once."""
+        self.transport.broadcast(layers, values, outs)
 
     def pushpull(self, layers, values, outs, momentum=None):
         """Sum ``values`` (per layer, its per-device NDArrays) over devices and workers

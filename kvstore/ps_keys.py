@@ -221,17 +221,34 @@ class KeyTable:
 
     # -- a layer's keys ------------------------------------------------------------------
 
-    def init(self, layer, value):
-        """Create the layer's keys on the servers (every worker calls this, in order):
-        its broadcast key, initialised with rank 0's ``value``, and the keys of its
-        exchanges."""
-        if layer.key in self.chunks:
+    def init(self, layers, values):
+        """Create the keys of those of ``layers`` that have none yet (every worker calls
+        this with the same layers, in the same order): each layer's broadcast key,
+        initialised with rank 0's value (``values``, one per layer), and the keys of
+        its exchanges. One model check and one kv.init (one barrier) for them all: a
+        model of 161 layers made key by key took 161 barriers at its first step."""
+        new = [(l, v) for l, v in zip(layers, values) if l.key not in self.chunks]
+        if not new:
             return
-        self.check_same_model(layer)
+        self._check_same(repr([(l.plan.shape, l.plan.strategy) for l, _ in new]),
+                         "the layers %s are %s" % (
+                             [l.plan.name for l, _ in new][:5],
+                             [(l.plan.shape, l.plan.strategy) for l, _ in new][:5]))
+        keys, inits = [], []
+        for layer, value in new:
+            self._add_layer(layer, value, keys, inits)
+        self.kv.init(keys, inits)       # one barrier for every new layer
+        self.layouts_sent = False
+
+    def _add_layer(self, layer, value, keys, values):
+        """Place ``layer``'s keys (its broadcast key holding a copy of ``value``, its
+        warm-up keys, its exchange keys), appending each key and initial value."""
         bkey, _ = self._place(0)  # used once, at init: not part of the steady load
         # a copy: MXNet sends nothing from an array in oneDNN's own layout (a weight
         # after an inference forward), kvstore.trainer_hook says why
-        keys, values, warm = [bkey], [value.copy()], []
+        keys.append(bkey)
+        values.append(value.copy())
+        warm = []
         if self.warmup and layer.plan.strategy != "none":
             # dense keys for the warm-up steps (not counted in the steady load)
             for chunk in plan_chunks("none", layer.plan.shape, self.num_workers,
@@ -244,14 +261,11 @@ class KeyTable:
                 self.layouts[pskey] = (layer.plan.name + " (warm-up)", chunk)
                 keys.append(pskey)
                 values.append(mx.nd.zeros(chunk.key_shape, ctx=mx.cpu()))
-        chunks = self._new_chunks(layer, keys, values)
-        self.kv.init(keys, values)      # one barrier for the layer
+        self.chunks[layer.key] = self._new_chunks(layer, keys, values)
         self._bcast[layer.key] = bkey
-        self.chunks[layer.key] = chunks
         if warm:
             self.warm_chunks[layer.key] = warm
         self.layer_shapes[layer.plan.name] = tuple(layer.plan.shape)
-        self.layouts_sent = False
 
     def _new_chunks(self, layer, keys, values):
         """[Chunk] of ``layer``'s plan, each placed on the least-loaded server, its
@@ -276,9 +290,10 @@ class KeyTable:
                     mx.nd.arange(chunk.pull_rows, dtype=np.int64))
         return chunks
 
-    def update_keys(self, name, value, state_arrays):
-        """Keys for parameter ``name`` whose optimizer runs on the servers
-        (kvstore.server_route): ([Chunk] of kind 'update', [Chunk] of kind 'state').
+    def update_keys(self, params):
+        """Keys for parameters whose optimizer runs on the servers
+        (kvstore.server_route). ``params``: (name, value, state_arrays) per parameter;
+        returns per parameter ([Chunk] of kind 'update', [Chunk] of kind 'state').
 
         The 'update' keys are dense pieces cut as dist_sync cuts its keys
         (_route_chunks), each placed on the least-loaded server, initialized with rank
@@ -289,9 +304,20 @@ class KeyTable:
         a checkpoint is saved or loaded). Collective: every worker calls this, in the
         same order (one barrier for all the keys). Their layouts reach the servers with
         the next send_layouts."""
-        self._check_same(repr(("update", value.shape, state_arrays)),
-                         "parameter %r is %s with %d optimizer state arrays"
-                         % (name, value.shape, state_arrays))
+        self._check_same(repr([("update", v.shape, s) for _, v, s in params]),
+                         "the parameters %s are %s with %s optimizer state arrays"
+                         % ([n for n, _, _ in params][:5], [v.shape for _, v, _ in params][:5],
+                            [s for _, _, s in params][:5]))
+        keys, values, made = [], [], []
+        for name, value, state_arrays in params:
+            made.append(self._update_keys(name, value, state_arrays, keys, values))
+        self.kv.init(keys, values)      # one barrier for every parameter
+        self.layouts_sent = False
+        return made
+
+    def _update_keys(self, name, value, state_arrays, keys, values):
+        """Place one parameter's 'update' and 'state' keys; append each key and its
+        initial value to ``keys`` and ``values``; ([Chunk] update, [Chunk] state)."""
         chunks, states = [], []
         for layout in self._route_chunks(value.shape):
             pskey, server = self._place(layout.wire_nbytes)
@@ -304,10 +330,9 @@ class KeyTable:
             self.layouts[skey] = (name + " (optimizer state)", state)
             states.append(Chunk(skey, state))
         flat = value.reshape((-1,))
-        self.kv.init([c.pskey for c in chunks + states],
-                     [flat[c.layout.lo:c.layout.hi] for c in chunks]
-                     + [mx.nd.zeros(c.layout.key_shape) for c in states])
-        self.layouts_sent = False
+        keys += [c.pskey for c in chunks + states]
+        values += [flat[c.layout.lo:c.layout.hi] for c in chunks]
+        values += [mx.nd.zeros(c.layout.key_shape) for c in states]
         return chunks, states
 
     def replan(self, old, new):
@@ -398,6 +423,7 @@ class KeyTable:
                 raise KeyError("key %r (%s) was pushed before being initialised: call "
                                "broadcast first" % (layer.key, layer.plan.name))
         groups = self.bucket_groups(layers)
+        keys, values = [], []
         for group in groups:
             signature = bucket_signature(group)
             if len(group) == 1 or signature in self.bucket_keys:
@@ -408,8 +434,11 @@ class KeyTable:
             chunk = dataclasses.replace(chunk, server=server)
             self.layouts[pskey] = ("bucket:" + ",".join(l.plan.name for l in group), chunk)
             self.layouts_sent = False
-            self.kv.init(pskey, mx.nd.zeros((size,)))
+            keys.append(pskey)
+            values.append(mx.nd.zeros((size,)))
             self.bucket_keys[signature] = BucketKey(pskey, chunk, mx.nd.empty((size,)))
+        if keys:
+            self.kv.init(keys, values)      # one barrier for every new bucket
         if not self.layouts_sent:
             self.send_layouts()
         return groups

@@ -118,7 +118,8 @@ class ServerRoute:
     def broadcast(self, key, value, out, priority=0):
         """Store rank 0's ``value`` of parameter ``key`` on the servers (in the pieces
         the optimizer will update) and pull it into every array of ``out``."""
-        for k, v, o in zip(*_as_lists(key, value, out)):
+        keys, values, outs = _as_lists(key, value, out)
+        for k, v in zip(keys, values):
             if k in self._chunks:
                 raise ValueError("parameter %d (%s) is already on the servers"
                                  % (k, self._name(k)))
@@ -128,13 +129,15 @@ class ServerRoute:
             if self._optimizer is None:
                 raise RuntimeError("the servers' route got parameter %s before its "
                                    "optimizer: call set_optimizer first" % self._name(k))
-            # rank 0's keys start from views of the array given here, and MXNet
-            # pulls into them: the store's copy, never a view of the parameter (MXNet
-            # neither sends from nor writes through a view of a oneDNN-layout weight)
-            weights = v[0].copy()
-            form = self._template(k, (1,))
-            self._chunks[k], self._states[k] = self._keys.update_keys(
-                self._name(k), weights, len(state_arrays(form)))
+        # rank 0's keys start from views of the arrays given here, and MXNet pulls into
+        # them: the store's copies, never views of a parameter (MXNet neither sends
+        # from nor writes through a view of a oneDNN-layout weight)
+        copies = [v[0].copy() for v in values]
+        forms = [self._template(k, (1,)) for k in keys]
+        made = self._keys.update_keys([(self._name(k), w, len(state_arrays(f)))
+                                       for k, w, f in zip(keys, copies, forms)])
+        for k, weights, form, (chunks, states), o in zip(keys, copies, forms, made, outs):
+            self._chunks[k], self._states[k] = chunks, states
             self._state_form[k] = (form, type(self._optimizer).__name__)
             self._unregistered.append(k)
             self._weights[k] = weights

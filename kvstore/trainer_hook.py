@@ -81,6 +81,9 @@ def install(store_class):
         if isinstance(kv, mx.kv.KVStore) and "dist" in kv.type:
             _broadcast_copies(trainer)
             return
+        if isinstance(kv, store_class):
+            _broadcast_at_once(trainer)
+            return
         pending = list(trainer._params_to_init)
         init_params(trainer)
         if kv is not None and "dist" in str(getattr(kv, "type", "")):
@@ -118,6 +121,21 @@ def _broadcast_copies(trainer):
     dense = [(k, a) for k, a, p in zip(keys, arrays, ready) if p._stype == "default"]
     if dense:
         kv.pull([k for k, _ in dense], out=[a for _, a in dense])
+    _wait_arrived(trainer, ready)
+
+
+def _broadcast_at_once(trainer):
+    """Gluon's ``_init_params`` for a hylo store: every parameter ready to initialise in
+    one ``broadcast`` (Gluon's loop makes one call per parameter, and each is a barrier
+    of the job over the parameter server); then the Trainer waits for them. Deferred
+    parameters stay deferred, as in Gluon."""
+    ready = [p for p in trainer._params_to_init if not p._deferred_init]
+    trainer._params_to_init = [p for p in trainer._params_to_init if p._deferred_init]
+    if not ready:
+        return
+    arrays = [p._check_and_get(p._data, list) for p in ready]
+    trainer._kvstore.broadcast([trainer._param2idx[p.name] for p in ready],
+                               [a[0] for a in arrays], out=arrays)
     _wait_arrived(trainer, ready)
 
 

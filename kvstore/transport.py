@@ -65,9 +65,10 @@ class Transport(abc.ABC):
     split_elements = None   # from how many elements on the wire a layer is cut, if ever
 
     @abc.abstractmethod
-    def broadcast(self, layer, value, outs):
-        """Write rank 0's ``value`` of ``layer`` into every NDArray of ``outs``, creating
-        the layer's keys first (every worker calls this, in the same order)."""
+    def broadcast(self, layers, values, outs):
+        """Per layer of ``layers``, write rank 0's value (``values``: one NDArray per
+        layer) into every NDArray of its ``outs`` (one list per layer), creating the
+        layers' keys first (every worker calls this with the same layers, in order)."""
 
     def replan(self, old, new):
         """Layer ``old`` travels under ``new``'s plan from the next exchange on (the

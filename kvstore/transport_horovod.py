@@ -135,18 +135,19 @@ class HorovodTransport(Transport):
 
     # -- no keys, no servers -------------------------------------------------------------
 
-    def broadcast(self, layer, value, outs):
-        """Rank 0's ``value`` into every array of ``outs`` (Horovod's broadcast)."""
-        # A copy: Horovod's MXNet ops cannot read an array in oneDNN's layout ("We can't
-        # generate TBlob for MKLDNN data"), which a weight is after a forward outside
-        # autograd.record() (oneDNN reorders it in place); a copy is in the default one.
-        result = self.hvd.broadcast(value.copy(), root_rank=0,
-                                    name="hylo.broadcast." + layer.plan.name)
-        for out in outs:
-            if out.dtype == result.dtype:
-                result.copyto(out)
-            else:
-                out[:] = result.astype(out.dtype)
+    def broadcast(self, layers, values, outs):
+        """Rank 0's values into every array of ``outs`` (Horovod's broadcast)."""
+        for layer, value, layer_outs in zip(layers, values, outs):
+            # A copy: Horovod's MXNet ops cannot read an array in oneDNN's layout ("We
+            # can't generate TBlob for MKLDNN data"), which a weight is after a forward
+            # outside autograd.record() (oneDNN reorders it in place); a copy is not.
+            result = self.hvd.broadcast(value.copy(), root_rank=0,
+                                        name="hylo.broadcast." + layer.plan.name)
+            for out in layer_outs:
+                if out.dtype == result.dtype:
+                    result.copyto(out)
+                else:
+                    out[:] = result.astype(out.dtype)
 
     def share_from_rank0(self, values):
         """Rank 0's 1-D float32 numpy ``values`` on every worker (a Horovod broadcast;

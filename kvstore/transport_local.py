@@ -25,9 +25,10 @@ class LocalTransport(Transport):
         self.compress_pull = compress_pull
         self.codecs = make_compressors()
 
-    def broadcast(self, layer, value, outs):
-        for out in outs:
-            out[:] = value
+    def broadcast(self, layers, values, outs):
+        for value, layer_outs in zip(values, outs):
+            for out in layer_outs:
+                out[:] = value
 
     def exchange(self, layers, items):
         """Decode each (layer, payload, out) into float32 ``out``.

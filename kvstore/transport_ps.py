@@ -173,9 +173,9 @@ class PSTransport(Transport):
 
     # -- keys (kvstore.ps_keys) ----------------------------------------------------------
 
-    def broadcast(self, layer, value, outs):
-        self.keys.init(layer, value)
-        self.kv.pull(self.keys.broadcast_key(layer), out=outs)
+    def broadcast(self, layers, values, outs):
+        self.keys.init(layers, values)
+        self.kv.pull([self.keys.broadcast_key(l) for l in layers], out=list(outs))
 
     def replan(self, old, new):
         self.keys.replan(old, new)

@@ -75,7 +75,10 @@ class _KeyTable:
     def __init__(self, pieces):
         self.kv, self.pieces, self._next = _Servers(), pieces, 0
 
-    def update_keys(self, name, value, state_arrays):
+    def update_keys(self, params):
+        return [self._update_keys(value) for _, value, _ in params]
+
+    def _update_keys(self, value):
         bounds = np.linspace(0, value.size, self.pieces + 1).astype(int)
         chunks = [Chunk(self._next + i, ChunkLayout("update", int(lo), int(hi), int(hi - lo)))
                   for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
