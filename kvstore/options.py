@@ -30,6 +30,8 @@ REMOVED_OPTIONS = {
     "chunk_elements": "the parameter-server keys are sized by the store; drop the option",
     "bucket_bytes": "the parameter-server keys are sized by the store; drop the option",
     "split_elements": "the parameter-server keys are sized by the store; drop the option",
+    "collective_timeout": "the servers keep no state that a checkpoint must gather from "
+                          "every worker; drop the option",
 }
 
 # (name, default shown, what it does, when to change it): the options table

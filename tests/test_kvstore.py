@@ -438,7 +438,8 @@ REMOVED = {"momentum_masking": "drop the option", "max_conv_rate": "conv_rate=",
            "min_conv_rate": "conv_rate=", "threshold_scale": "drop the option",
            "cost_recheck_steps": "cost_model=False", "cost_drift": "cost_model=False",
            "overlap": "drop the option", "chunk_elements": "drop the option",
-           "bucket_bytes": "drop the option", "split_elements": "drop the option"}
+           "bucket_bytes": "drop the option", "split_elements": "drop the option",
+           "collective_timeout": "drop the option"}
 
 
 @pytest.mark.parametrize("name", sorted(REMOVED))
