@@ -58,8 +58,6 @@ class Hylo(KVStoreBase):
         self.options = make_options(transport, **options)
         o = self.options
         self.policy = LayerPolicy(o.size_threshold, o.conv_rate, o.policy)
-        self.compress_pull = o.compress_pull
-        self.warmup_steps = o.warmup_steps
         self.compressors = make_compressors()
         self.transport = self._make_transport()
         self.pipeline = StepPipeline(self.transport, self.compressors, o.warmup_steps,
@@ -79,13 +77,13 @@ class Hylo(KVStoreBase):
     def _make_transport(self):
         o = self.options
         if o.transport == "local":
-            return LocalTransport(self.compress_pull)
+            return LocalTransport(o.compress_pull)
         if o.transport == "ps":
             from .transport_ps import PSTransport     # workers only (not servers)
-            return PSTransport(compress_pull=self.compress_pull,
+            return PSTransport(compress_pull=o.compress_pull,
                                warmup=o.warmup_steps > 0, stall_timeout=o.stall_timeout)
         from .transport_horovod import HorovodTransport    # needs horovod.mxnet
-        return HorovodTransport(compress_pull=self.compress_pull)
+        return HorovodTransport(compress_pull=o.compress_pull)
 
     def _encode_order(self):
         """'written' (as backward writes the gradients) where the transport takes

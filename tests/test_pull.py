@@ -43,7 +43,7 @@ def test_compress_pull_mode_normalises(value, mode):
     assert compress_pull_mode(value) == mode                    # over the parameter server
     assert compress_pull_mode(value, distributed=False) is None
     kv = mxhylo.create(compress_pull=value)                     # in one process: dense
-    assert kv.compress_pull is None
+    assert kv.options.compress_pull is None
     assert kv.stats()["options"]["compress_pull"] is None
 
 
@@ -68,8 +68,8 @@ def test_default_compresses_the_pull_only_over_the_parameter_server():
     assert compress_pull_mode("auto", distributed=True) == "gather"
     assert compress_pull_mode("auto", distributed=False) is None
     kv = mxhylo.create()                      # in one process: nothing to save
-    assert kv.compress_pull is None and kv.stats()["options"]["compress_pull"] is None
-    assert mxhylo.create(compress_pull="gather").compress_pull is None
+    assert kv.options.compress_pull is None and kv.stats()["options"]["compress_pull"] is None
+    assert mxhylo.create(compress_pull="gather").options.compress_pull is None
 
 
 def test_plan_chunks_refuses_other_pulls_and_pulls_uncompressed_layers_dense():
