@@ -223,7 +223,10 @@ def test_tiny_comm_run_with_horovod_modes(tmp_path):
     args = parser.parse_args([
         "-n", "2", "-s", "1", "--rate", "1gbit", "--models", "cifar_resnet20_v1",
         "--image-size", "32", "--modes", "dense_pushpull,horovod_dense,hylo_horovod",
-        "--steps", "3", "--timeout", "120", "--json", str(tmp_path / "comm.json")])
+        "--steps", "3", "--timeout", "120", "--json", str(tmp_path / "comm.json"),
+        # every layer as the policy plans it: on this tiny model the cost model's choice
+        # sits near its margin and follows the machine's load; the wire is under test
+        "--hylo-options", '{"cost_model": false}'])
     report = comm.run(args)
     assert netns.own_namespaces("mxhcomm%d-" % os.getpid()) == []
     res = report["results"]["cifar_resnet20_v1"]
