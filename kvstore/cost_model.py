@@ -224,27 +224,6 @@ class CostModel:
 
 # -- measuring a codec -------------------------------------------------------------------
 
-def time_update(optimizer, elements, repeats=3, most=1 << 22):
-    """Seconds of ``optimizer``'s update of ``elements`` float32 weights: timed on a
-    copy of it (its counts and schedule untouched) over min(elements, most) weights,
-    median of ``repeats`` after one warm-up, scaled to ``elements``."""
-    import pickle
-    import time
-    import mxnet as mx
-
-    copy = pickle.loads(pickle.dumps(optimizer))       # (without its param_dict)
-    n = max(1, min(int(elements), int(most)))
-    weight, grad = mx.nd.zeros((n,)), mx.nd.full((n,), 1e-3)
-    state = copy.create_state_multi_precision(0, weight)
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        copy.update_multi_precision(0, weight, grad, state)
-        weight.wait_to_read()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times[1:])) * elements / n
-
-
 def time_momentum(elements=1 << 20, repeats=3, seed=0):
     """Seconds per element of momentum correction's two passes on a compressed layer
     (ops.momentum_velocity, then ops.momentum_correct on the aggregate), median of

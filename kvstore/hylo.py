@@ -32,6 +32,7 @@ from .options import make_options
 from .pipeline import StepPipeline, normalize_call
 from .planner import Planner
 from .policy import LayerPolicy
+from .route import RouteTrial
 from .stats import cost_model_stats
 from .transport_horovod import launched_by_horovodrun    # (imports no horovod)
 from .transport_local import LocalTransport
@@ -66,6 +67,7 @@ class Hylo(KVStoreBase):
             active.set_active(self)
         self._trainer = None      # weakref of the attached gluon.Trainer
         self._servers = None      # kvstore.server_route.ServerRoute on the servers' route
+        self._trial = None        # kvstore.route.RouteTrial while the route is on trial
         self._steps = 0           # exchange_step calls
         self.planner = Planner(o, self.policy, self.compressors, self.transport)
 
@@ -80,8 +82,7 @@ class Hylo(KVStoreBase):
             return LocalTransport(o.compress_pull)
         if o.transport == "ps":
             from .transport_ps import PSTransport     # workers only (not servers)
-            return PSTransport(compress_pull=o.compress_pull,
-                               warmup=o.warmup_steps > 0, stall_timeout=o.stall_timeout)
+            return PSTransport(compress_pull=o.compress_pull, stall_timeout=o.stall_timeout)
         from .transport_horovod import HorovodTransport    # needs horovod.mxnet
         return HorovodTransport(compress_pull=o.compress_pull)
 
@@ -216,11 +217,15 @@ class Hylo(KVStoreBase):
         self._trainer = weakref.ref(trainer)
 
     def choose_route(self, trainer):
-        """Plan ``trainer``'s parameters and take the plan's route (collective: every
-        worker at the Trainer's first step, before its parameters are broadcast). On
-        the servers' route the Trainer updates on the kvstore: Gluon skips its own
-        update, and this store's step pulls the servers' weights."""
-        if self.planner.plan_trainer(trainer).route == "servers":
+        """Plan ``trainer``'s parameters and take the plan's route (every worker at the
+        Trainer's first step, before its parameters are broadcast). On the servers'
+        route the Trainer updates on the kvstore: Gluon skips its own update, and this
+        store's step pulls the servers' weights. A route on trial (kvstore.route)
+        starts there and is decided by the job's steps."""
+        plan = self.planner.plan_trainer(trainer)
+        if not plan.settled:
+            self._trial = RouteTrial(self.options.warmup_steps)
+        if plan.route == "servers":
             self._servers = self.transport.server_route(trainer._params)
             trainer._update_on_kvstore = True
             self._servers.set_optimizer(trainer._optimizer)
@@ -234,6 +239,8 @@ class Hylo(KVStoreBase):
         route, one pushpull per parameter (gradients in, weights out), after the
         optimizer's settings (its learning rate) reach the servers."""
         self.attach_trainer(trainer)
+        if self._trial is not None:
+            self._trial.at_step(self, trainer)      # (may move the optimizer: collective)
         # (Gluon refuses sparse gradients with a KVStoreBase store: all are dense)
         keys = [i for i, p in enumerate(trainer._params) if p.grad_req != "null"]
         keys.reverse()          # in the order backward produces them
@@ -315,7 +322,11 @@ class Hylo(KVStoreBase):
         and last_seconds (what the layer cost this worker: its encode, and its pull's
         wait and decode), last_push_s (when its push left in the last exchange, in
         seconds from the exchange's start). ``route``: where the Trainer's optimizer
-        runs and why (None before a Trainer's first step). ``measurement``: seconds
+        runs and why (None before a Trainer's first step), whether that is settled
+        (False while on trial: kvstore.route), the measured seconds of a step on each
+        route, and the moves of the trial ((step, route), steps from 1).
+        ``warming_up``: whether a layer still travels dense for its warm-up.
+        ``measurement``: seconds
         spent measuring in all, and re-measurements since start-up by cause. With the
         cost model, ``cost_model``: the fitted wire, codecs, links, and per layer its
         choice (strategy), the predicted seconds dense_s and codec_s, and measured_s
@@ -327,7 +338,11 @@ class Hylo(KVStoreBase):
         plan, planner = self.planner.plan, self.planner
         out["route"] = None if plan is None else {
             "route": plan.route, "reason": plan.route_reason,
-            "workers_s": plan.workers_s, "servers_s": plan.servers_s}
+            "settled": self._trial is None or self._trial.done,
+            "workers_s": plan.workers_s, "servers_s": plan.servers_s,
+            "moves": [] if self._trial is None else list(self._trial.moves)}
+        out["warming_up"] = any(l.warms_up and l.stages.warming(l, self.memory)
+                                for l in self.pipeline.layers.values())
         out["measurement"] = {"seconds": planner.measured_s,
                               "rechecks": dict(planner.rechecks)}
         if self.cost is not None:

@@ -28,7 +28,7 @@ import numpy as np
 
 from . import readiness
 from .memory import ResidualMemory
-from .stages import Step, chain
+from .stages import Step, WarmUp, chain
 from .stats import TrafficStats
 
 # seconds an exchange waits for one more gradient of backward before it fails
@@ -41,6 +41,11 @@ class Layer:
 
     def __init__(self, key, plan, stages):
         self.key, self.plan, self.stages = key, plan, stages
+
+    @property
+    def warms_up(self):
+        """Whether its first exchanges travel dense (a WarmUp stage)."""
+        return isinstance(self.stages, WarmUp)
 
 
 class StepPipeline:

@@ -16,13 +16,11 @@ The rules:
 2. The route: 'servers' (the Trainer's optimizer on the parameter servers, every layer
    dense, as MXNet's dist_sync) is possible only with servers and a Trainer whose
    update is elementwise and float32 (``refusal``). server_update True or False forces
-   it; 'auto' prices both routes from the per-layer predictions,
-
-       servers_s = sum(dense_s) + update_s / num_servers
-       workers_s = sum(codec_s of compressed layers, dense_s of the rest) + update_s
-
-   and takes the workers' only where it is at least the margin faster (on a tie dense
-   is the safer bet). Without costs 'auto' means the workers' route.
+   it. 'auto' takes the servers' route where no layer compresses, the workers' where
+   nothing was measured or warmup_steps is 0, and otherwise tries both on the job's own
+   steps (kvstore.route): the warm-up on the servers' route, then compressed steps on
+   the workers'. ``step_s`` holds what they measured (route -> median seconds of one
+   step); with both, the faster route is kept (on a tie, the workers').
 3. The pull: compressed layers come back as every worker's payload ('gather') where
    compress_pull asks for it and always over Horovod (its allgather), else dense;
    uncompressed layers always dense.
@@ -49,22 +47,20 @@ class Costs:
       wire.latency_s + b * wire.per_byte_s seconds; codecs: strategy -> CodecCost
       (seconds per element to encode a layer, and to decode one payload of it);
     momentum_s: seconds per element of momentum correction on a compressed layer;
-    update_s: seconds of the Trainer's optimizer update over all its parameters on one
-      worker (0: unknown); links: each aggregation link alone (LinkCosts) or None;
+    links: each aggregation link alone (LinkCosts) or None;
     measured_s: seconds the measurement itself took (for reports only).
     """
     wire: WireCost
     codecs: Dict[str, CodecCost]
     momentum_s: float = 0.0
-    update_s: float = 0.0
     links: Optional[LinkCosts] = None
     measured_s: float = 0.0
 
     @classmethod
-    def from_cost_model(cls, model, update_s=0.0, measured_s=0.0):
+    def from_cost_model(cls, model, measured_s=0.0):
         """The Costs of a measured CostModel."""
-        return cls(model.wire, dict(model.codecs), model.momentum_s, update_s,
-                   model.links, measured_s)
+        return cls(model.wire, dict(model.codecs), model.momentum_s, model.links,
+                   measured_s)
 
     def as_dict(self):
         out = dataclasses.asdict(self)
@@ -136,13 +132,15 @@ class LayerDecision:
 
 @dataclass(frozen=True)
 class Plan:
-    """Every layer's decision, the route ('workers' | 'servers') and why; workers_s and
-    servers_s: predicted seconds of one step's exchange and update by each route (None
-    where not priced); costs: what the plan was priced with (None: not measured);
-    options: the options it was made from (a copy; JSON-able)."""
+    """Every layer's decision, the route ('workers' | 'servers') and why; settled: False
+    while the route is on trial (kvstore.route); workers_s and servers_s: measured
+    median seconds of one step on each route (None where not measured); costs: what the
+    plan was priced with (None: not measured); options: the options it was made from
+    (a copy; JSON-able)."""
     layers: Tuple[LayerDecision, ...]
     route: str
     route_reason: str
+    settled: bool
     workers_s: Optional[float]
     servers_s: Optional[float]
     costs: Optional[Costs]
@@ -166,7 +164,8 @@ class Plan:
     def as_dict(self):
         layers = [dict(dataclasses.asdict(d), shape=list(d.shape)) for d in self.layers]
         return {"layers": layers, "route": self.route, "route_reason": self.route_reason,
-                "workers_s": self.workers_s, "servers_s": self.servers_s,
+                "settled": self.settled, "workers_s": self.workers_s,
+                "servers_s": self.servers_s,
                 "dense_bytes": self.dense_bytes, "pushed_bytes": self.pushed_bytes,
                 "costs": None if self.costs is None else self.costs.as_dict(),
                 "options": self.options}
@@ -192,9 +191,10 @@ class Plan:
                   "layers compressed)" % (dense, pushed, pushed / max(dense, 1),
                                           sum(d.compressed for d in self.layers),
                                           len(self.layers)),
-                  "predicted step: workers %s ms, servers %s ms"
+                  "measured step: workers %s ms, servers %s ms"
                   % (ms(self.workers_s), ms(self.servers_s)),
-                  "route: %s (%s)" % (self.route, self.route_reason)]
+                  "route: %s%s (%s)" % (self.route, "" if self.settled else ", on trial",
+                                        self.route_reason)]
         return "\n".join(lines)
 
 
@@ -250,13 +250,15 @@ def _pull_of(compress_pull, transport):
 
 
 def make_plan(layers, *, policy, compress_pull, server_update, costs, trainer=None,
-              num_workers, num_servers, transport):
+              num_workers, num_servers, transport, warmup_steps=0, step_s=None):
     """The Plan of ``layers`` (a sequence of (name, shape): the parameters that train,
     in the Trainer's order) under ``policy`` (a LayerPolicy), ``compress_pull``
     ('gather', or None: dense), ``server_update`` ('auto', True or False), ``costs``
     (Costs, or None: not measured), ``trainer`` (TrainerFacts, or None: no Trainer),
-    ``num_workers`` and ``num_servers`` (W, S) and ``transport`` ('ps', 'horovod',
-    'local'). Pure: the same inputs give an equal Plan. See the module docstring."""
+    ``num_workers`` and ``num_servers`` (W, S), ``transport`` ('ps', 'horovod',
+    'local'), ``warmup_steps`` (the store's) and ``step_s`` (route -> measured median
+    seconds of one step on it, or None). Pure: the same inputs give an equal Plan. See
+    the module docstring."""
     if not (server_update == "auto" or isinstance(server_update, bool)):
         raise ValueError("server_update must be 'auto', True or False, got %r"
                          % (server_update,))
@@ -274,34 +276,47 @@ def make_plan(layers, *, policy, compress_pull, server_update, costs, trainer=No
                  for name, shape in layers]
 
     refused = refusal(trainer, num_servers, transport)
-    workers_s = servers_s = None
-    if costs is not None:
-        workers_s = costs.update_s + sum(d.codec_s if d.compressed else d.dense_s
-                                         for d in decisions)
-        if num_servers > 0:
-            servers_s = sum(d.dense_s for d in decisions) + costs.update_s / num_servers
-    if server_update is False:
-        route, why = "workers", "server_update=False"
-    elif server_update is True:
-        if refused:
-            raise ValueError("server_update=True, but " + refused)
-        route, why = "servers", "server_update=True"
-    elif refused:
-        route, why = "workers", refused
-    elif costs is None:
-        route, why = "workers", "not measured: hylo's exchange, the update on the workers"
-    else:
-        route = "workers" if workers_s < (1.0 - DEFAULT_MARGIN) * servers_s else "servers"
-        why = "predicted %.1f ms on the workers vs %.1f ms on the servers" % (
-            1e3 * workers_s, 1e3 * servers_s)
-        if route == "servers":
-            why += "; the workers' route must be %d%% faster" % round(100 * DEFAULT_MARGIN)
-
+    step_s = dict(step_s or {})
+    route, why, settled = _route(server_update, refused, costs, decisions, warmup_steps,
+                                 step_s)
     options = dict(policy.options(), compress_pull=compress_pull,
                    server_update=server_update, num_workers=int(num_workers),
                    num_servers=int(num_servers), transport=transport, margin=DEFAULT_MARGIN,
+                   warmup_steps=int(warmup_steps),
                    trainer=None if trainer is None else dataclasses.asdict(trainer))
-    return Plan(tuple(decisions), route, why, workers_s, servers_s, costs, options)
+    return Plan(tuple(decisions), route, why, settled, step_s.get("workers"),
+                step_s.get("servers"), costs, options)
+
+
+def _route(server_update, refused, costs, decisions, warmup_steps, step_s):
+    """(route, reason, settled) by rule 2 of the module docstring."""
+    if server_update is False:
+        return "workers", "server_update=False", True
+    if server_update is True:
+        if refused:
+            raise ValueError("server_update=True, but " + refused)
+        return "servers", "server_update=True", True
+    if refused:
+        return "workers", refused, True
+    if costs is None:
+        return "workers", "not measured: hylo's exchange, the update on the workers", True
+    if not any(d.compressed for d in decisions):
+        return ("servers", "no layer compresses: every gradient dense, the update once "
+                "on the servers (as dist_sync)", True)
+    if not warmup_steps:
+        return ("workers", "warmup_steps=0: no dense steps to time the servers' route "
+                "by", True)
+    servers_s, workers_s = step_s.get("servers"), step_s.get("workers")
+    if servers_s is None:
+        return ("servers", "on trial: the %d warm-up steps (dense) run on the servers' "
+                "route, then compressed steps on the workers'; the faster is kept"
+                % warmup_steps, False)
+    if workers_s is None:
+        return ("workers", "on trial: compressed steps timed against %.1f ms a step on "
+                "the servers' route" % (1e3 * servers_s), False)
+    route = "servers" if servers_s < workers_s else "workers"
+    return route, ("measured %.1f ms a step on the workers' route (compressed) vs %.1f "
+                   "ms on the servers' (dense)" % (1e3 * workers_s, 1e3 * servers_s)), True
 
 
 def _decide(policy, name, shape, model, compressors, momentum, compressed_pull):

@@ -8,7 +8,7 @@ the same plan.
 """
 import time
 
-from .cost_model import ExchangeDrift, time_update
+from .cost_model import ExchangeDrift
 from .measure import measure
 from .plan import Costs, TrainerFacts, make_plan
 from .policy import LayerPlan
@@ -38,6 +38,8 @@ class Planner:
         self.rechecks = {"drift": 0}
         self.facts = None         # TrainerFacts of the attached Trainer
         self.plan = None          # the Plan of its parameters, once chosen
+        self.layers = []          # (name, shape) of its parameters that train
+        self.step_s = {}          # route -> measured median seconds a step (kvstore.route)
         self.decisions = {}       # name -> LayerDecision of every key seen
         self.drift = None
         if options.measures:
@@ -54,9 +56,9 @@ class Planner:
         """The CostModel of one measurement (collective; rank 0's figures)."""
         return measure(self.transport, self.policy, self.compressors, self.pull).model
 
-    def costs(self, update_s=0.0):
+    def costs(self):
         return None if self.cost is None else \
-            Costs.from_cost_model(self.cost, update_s, self.measured_s)
+            Costs.from_cost_model(self.cost, self.measured_s)
 
     def make(self, layers, costs):
         """The Plan of ``layers`` ((name, shape) pairs) priced by ``costs``."""
@@ -64,21 +66,21 @@ class Planner:
         return make_plan(layers, policy=self.policy, compress_pull=self.pull,
                          server_update=o.server_update, costs=costs, trainer=self.facts,
                          num_workers=self.transport.num_workers,
-                         num_servers=self.transport.num_servers, transport=o.transport)
+                         num_servers=self.transport.num_servers, transport=o.transport,
+                         warmup_steps=o.warmup_steps, step_s=self.step_s)
 
     def plan_trainer(self, trainer):
-        """The Plan of ``trainer``'s parameters, route included (collective: rank 0
-        times the optimizer's update where the route is priced)."""
+        """The Plan of ``trainer``'s parameters, route included."""
         self.facts = TrainerFacts.from_trainer(trainer, self.options.momentum_correction)
-        layers = [(p.name, tuple(p.shape)) for p in trainer._params
-                  if p.grad_req != "null" and p.shape and all(d > 0 for d in p.shape)]
-        update_s = 0.0
-        if self.cost is not None and self.options.server_update == "auto" \
-                and self.transport.num_servers:
-            elements = sum(int(LayerPlan(n, s, "none").size) for n, s in layers)
-            update_s = float(self.transport.share_from_rank0(
-                [time_update(trainer._optimizer, elements)])[0])
-        self.plan = self.make(layers, self.costs(update_s))
+        self.layers = [(p.name, tuple(p.shape)) for p in trainer._params
+                       if p.grad_req != "null" and p.shape and all(d > 0 for d in p.shape)]
+        return self.retime({})
+
+    def retime(self, step_s):
+        """The Trainer's Plan again, its route judged by ``step_s`` (route -> measured
+        median seconds of one step; kvstore.route): the layers' decisions stay."""
+        self.step_s = dict(step_s)
+        self.plan = self.make(self.layers, self.costs())
         self.decisions.update((d.name, d) for d in self.plan.layers)
         return self.plan
 

@@ -51,11 +51,12 @@ class KeyTable:
     """The parameter-server keys of one worker's hylo layers (see the module docstring).
 
     kv: the worker's native 'dist_sync' store; chunk_elements, split_elements,
-    bucket_elements, compress_pull, warmup: see PSTransport.
+    bucket_elements, compress_pull: see PSTransport. A layer whose stages warm up
+    (``layer.warms_up``) gets dense keys for its warm-up too.
     """
 
     def __init__(self, kv, num_servers, chunk_elements, split_elements, bucket_elements,
-                 compress_pull, warmup):
+                 compress_pull):
         self.kv = kv
         self.rank, self.num_workers = kv.rank, kv.num_workers
         self.num_servers = num_servers
@@ -63,7 +64,6 @@ class KeyTable:
         self.split_elements = split_elements
         self.bucket_elements = bucket_elements
         self.compress_pull = compress_pull
-        self.warmup = warmup
         self.layouts = {}         # ps key -> (layer name, ChunkLayout), for the servers
         self.layouts_sent = False
         self.chunks = {}          # hylo key -> [Chunk]
@@ -249,7 +249,7 @@ class KeyTable:
         keys.append(bkey)
         values.append(value.copy())
         warm = []
-        if self.warmup and layer.plan.strategy != "none":
+        if layer.warms_up and layer.plan.strategy != "none":
             # dense keys for the warm-up steps (not counted in the steady load)
             for chunk in plan_chunks("none", layer.plan.shape, self.num_workers,
                                      self.num_servers, self.chunk_elements,

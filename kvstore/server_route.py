@@ -199,8 +199,14 @@ class ServerRoute:
     # -- trainer.save_states and load_states ---------------------------------------------
 
     def save_states(self, fname, dump_optimizer=False):
-        """Write the servers' optimizer state of every parameter to ``fname`` as Gluon
-        writes a Trainer's (MXNet's Updater.get_states): a pickle of {parameter index:
+        """Write ``states_data(dump_optimizer)`` to ``fname``."""
+        data = self.states_data(dump_optimizer)
+        with open(fname, "wb") as f:
+            f.write(data)
+
+    def states_data(self, dump_optimizer=False):
+        """The servers' optimizer state of every parameter as Gluon writes a Trainer's
+        (MXNet's Updater.get_states): a pickle of {parameter index:
         state} (the optimizer's structure of float32 NDArrays, each of the parameter's
         shape, on the CPU), with ``dump_optimizer`` a pair (that, the optimizer) whose
         update counts are the servers' (by parameter index). Pulls only, once this
@@ -240,22 +246,24 @@ class ServerRoute:
             optimizer._all_index_update_counts = {0: counts}
             optimizer._index_update_count = counts
             optimizer.num_update = max([optimizer.begin_num_update] + list(counts.values()))
-            data = pickle.dumps((states, optimizer))
-        else:
-            data = pickle.dumps(states)
-        with open(fname, "wb") as f:
-            f.write(data)
+            return pickle.dumps((states, optimizer))
+        return pickle.dumps(states)
 
     def load_states(self, fname):
+        """``load_states_data`` of the file ``fname``."""
+        with open(fname, "rb") as f:
+            self.load_states_data(f.read(), fname)
+
+    def load_states_data(self, data, what="the states"):
         """Load what save_states (or Gluon, where the optimizer ran on the workers)
-        wrote to ``fname`` into the servers (collective: every worker calls this, as
+        wrote (``data``, its bytes; ``what`` names it in errors) into the servers (collective: every worker calls this, as
         with Gluon's load_states; rank 0's file is the one loaded). The file's optimizer,
         if it has one, goes to the servers first and is the one in force after
         (``updater``); the update counts are the file's (without an optimizer, the
         servers' stay). A parameter the file has no state for starts afresh, as in
         Gluon. Raises, naming the parameter, if the file is for another model or
         another kind of optimizer."""
-        states, optimizer = self._read_states(fname)
+        states, optimizer = self._read_states(data, what)
         self.sync_optimizer(self._optimizer if optimizer is None else optimizer)
         counts = None if optimizer is None else optimizer._index_update_count
         rank0 = self._keys.rank == 0
@@ -279,11 +287,10 @@ class ServerRoute:
         # workers have pushed), and another load's values cannot share their round
         mx.nd.waitall()
 
-    def _read_states(self, fname):
-        """(states by parameter index, optimizer or None) of the states file ``fname``,
-        checked against this Trainer's parameters and optimizer."""
-        with open(fname, "rb") as f:
-            data = f.read()
+    def _read_states(self, data, fname):
+        """(states by parameter index, optimizer or None) of the states file ``fname``
+        whose bytes are ``data``, checked against this Trainer's parameters and
+        optimizer."""
         try:
             content = pickle.loads(data)
         except Exception as err:  # noqa: BLE001 - any bytes: say what was expected

@@ -141,14 +141,12 @@ class PSTransport(Transport):
 
     Keys are cut and fused by CHUNK_ELEMENTS, BUCKET_BYTES and SPLIT_ELEMENTS (above).
     compress_pull: None or 'gather' (kvstore.policy.compress_pull_mode).
-    warmup: whether compressed layers also get dense keys, for the steps they travel
-      uncompressed (the store's warmup_steps).
     stall_timeout: the bound of one exchange (kvstore.watchdog): None derives it from
       the step times, 0 turns the watchdog off.
     """
     any_order = True
 
-    def __init__(self, compress_pull=None, warmup=False, stall_timeout=None):
+    def __init__(self, compress_pull=None, stall_timeout=None):
         if os.environ.get("DMLC_ROLE") != "worker":
             raise RuntimeError("the hylo parameter-server transport runs in MXNet worker "
                                "processes (DMLC_ROLE=worker), started by python -m "
@@ -165,7 +163,7 @@ class PSTransport(Transport):
         self.num_servers = int(os.environ["DMLC_NUM_SERVER"])
         self.keys = KeyTable(self.kv, self.num_servers, chunk_elements,
                              int(split_elements), min(int(BUCKET_BYTES) // 4, chunk_elements),
-                             compress_pull, bool(warmup))
+                             compress_pull)
         self.watchdog = StallWatchdog(stall_timeout, rank=self.rank)
         self._exchanges = 0
         self._codecs = make_compressors()      # wire forms of pushes, decoders of pulls

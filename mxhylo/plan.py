@@ -14,15 +14,18 @@ its speed, with this CPU's codecs:
     wire.latency_s  = latency_ms / 1e3
     codecs: kvstore.cost_model.time_codec on this CPU (encode, decode per element)
     momentum_s: kvstore.cost_model.time_momentum (with momentum correction)
-    update_s: kvstore.cost_model.time_update of the optimizer over the parameters
 
 With --size-threshold or --conv-rate (or --no-costs) the plan is the policy's alone,
-as the store makes it when those options are given.
+as the store makes it when those options are given. The route is the plan's at the
+Trainer's first step: with server_update 'auto' and a layer compressed, a trial that
+the job's own steps decide (kvstore.route).
 """
 import argparse
 import json
 import sys
 import time
+
+from mxhylo.kvstore.options import DEFAULT_WARMUP_STEPS
 
 
 def model_layers(name, input_size=224):
@@ -40,12 +43,11 @@ def model_layers(name, input_size=224):
     return [(p.name, tuple(p.shape)) for p in params], net
 
 
-def measure(policy, args, optimizer, momentum, elements):
+def measure(policy, args, momentum):
     """Costs of the network described by ``args``, codecs timed on this CPU (see the
-    module docstring); ``optimizer`` the Trainer's, updating ``elements`` weights."""
+    module docstring)."""
     from mxhylo.kvstore.compressors import make_compressors
-    from mxhylo.kvstore.cost_model import (WireCost, time_codec, time_momentum,
-                                           time_update)
+    from mxhylo.kvstore.cost_model import WireCost, time_codec, time_momentum
     from mxhylo.kvstore.plan import Costs
 
     t0 = time.perf_counter()
@@ -55,9 +57,8 @@ def measure(policy, args, optimizer, momentum, elements):
     compressors = make_compressors()
     codecs = {c: time_codec(policy, compressors[c]) for c in ("conv_topk", "fc_2bit")}
     momentum_s = time_momentum() if momentum else 0.0
-    update_s = time_update(optimizer, elements)
-    return Costs(WireCost(args.latency_ms / 1e3, per_byte), codecs, momentum_s, update_s,
-                 None, time.perf_counter() - t0)
+    return Costs(WireCost(args.latency_ms / 1e3, per_byte), codecs, momentum_s, None,
+                 time.perf_counter() - t0)
 
 
 def main(argv=None):
@@ -74,6 +75,7 @@ def main(argv=None):
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--size-threshold", type=int)
     parser.add_argument("--conv-rate", type=float)
+    parser.add_argument("--warmup-steps", type=int, default=DEFAULT_WARMUP_STEPS)
     parser.add_argument("--compress-pull", choices=("gather", "dense"), default="gather")
     parser.add_argument("--server-update", choices=("auto", "true", "false"), default="auto")
     parser.add_argument("--no-costs", action="store_true")
@@ -82,7 +84,6 @@ def main(argv=None):
     if args.transport == "horovod":
         args.servers = 0
 
-    import numpy as np
     from mxnet import gluon
     from mxhylo.kvstore.plan import TrainerFacts, make_plan
     from mxhylo.kvstore.policy import LayerPolicy
@@ -96,15 +97,15 @@ def main(argv=None):
     policy = LayerPolicy(**given)
     costs = None
     if not (args.no_costs or given):
-        elements = sum(int(np.prod(s)) for _, s in layers)
-        costs = measure(policy, args, trainer._optimizer, facts.momentum, elements)
+        costs = measure(policy, args, facts.momentum)
     try:
         plan = make_plan(layers, policy=policy,
                          compress_pull=None if args.compress_pull == "dense" else "gather",
                          server_update={"auto": "auto", "true": True,
                                         "false": False}[args.server_update],
                          costs=costs, trainer=facts, num_workers=args.workers,
-                         num_servers=args.servers, transport=args.transport)
+                         num_servers=args.servers, transport=args.transport,
+                         warmup_steps=args.warmup_steps)
     except ValueError as err:           # (server_update=True where the route is refused)
         parser.error(str(err))
     if args.json:

@@ -301,6 +301,8 @@ def route(how):
     net.initialize(mx.init.Xavier())
     # (servers: without the cost model's link timings, keys are placed by load alone,
     # the same in every run)
+    if how.startswith("trial_"):
+        return trial(how[len("trial_"):], net)
     kv = "dist_sync" if how == "dist_sync" else mxhylo.create(
         "dist_sync_hylo", server_update=True, cost_model=False) if how == "servers" \
         else mxhylo.create("dist_sync_hylo", server_update="auto") if how == "auto" \
@@ -345,6 +347,56 @@ def route(how):
             report["save_states"] = str(err)
     np.savez(out.format(rank=rank) + ".npz", **arrays)
     json.dump(report, open(out.format(rank=rank), "w"))
+
+
+def trial(faster, net):
+    """The route on trial (kvstore.route), its outcome forced: a clock that makes every
+    step on the ``faster`` route ('servers' or 'workers') take 1 s and on the other 2 s.
+    3 warm-up steps on the servers, 4 timed on the workers, 12 steps in all."""
+    from mxnet import gluon
+    from mxhylo.kvstore import route as route_module
+    # (the policy names the layers to compress, so the measured costs cannot plan
+    # them dense, and cost_model=True measures all the same: the route goes on trial)
+    kv = mxhylo.create("dist_sync_hylo", warmup_steps=3, cost_model=True,
+                       policy={".*dense.*weight": "fc_2bit", ".*conv.*weight": "conv_topk"})
+
+    class Clock:
+        now = 0.0
+
+        def perf_counter(self):
+            on = "servers" if kv._servers is not None else "workers"
+            self.now += 1.0 if on == faster else 2.0
+            return self.now
+    real_time = route_module.time
+    route_module.time, route_module.TRIAL_STEPS = Clock(), 4
+    trainer = gluon.Trainer(net.collect_params(), "sgd",
+                            {"learning_rate": 0.05, "momentum": 0.9, "wd": 1e-4},
+                            kvstore=kv)
+    rng = np.random.RandomState(7)
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    routes = []
+    for _ in range(12):
+        x = mx.nd.array(rng.normal(size=(4, 4, 8, 8)))
+        y = mx.nd.array(rng.randint(0, 10, size=4))
+        with mx.autograd.record():
+            loss = loss_fn(net(x), y)
+        loss.backward()
+        trainer.step(4)
+        routes.append("servers" if trainer._update_on_kvstore else "workers")
+    mx.nd.waitall()
+    route_module.time = real_time       # (the clock holds the store: not at exit)
+    rank = kv.rank
+    states = out.format(rank=rank) + ".states"
+    trainer.save_states(states)
+    arrays = {"%d" % i: p.data().asnumpy() for i, p in
+              enumerate(net.collect_params().values())}
+    np.savez(out.format(rank=rank) + ".npz", **arrays)
+    json.dump({"rank": rank, "route": kv.stats()["route"], "routes": routes,
+               "compressed": sorted(n for n, p in kv.plans().items()
+                                    if p.strategy != "none"),
+               "update_on_kvstore": bool(trainer._update_on_kvstore),
+               "num_update": trainer._optimizer.num_update},
+              open(out.format(rank=rank), "w"))
 
 
 def drift():

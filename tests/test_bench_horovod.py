@@ -187,8 +187,7 @@ def test_distributed_trainer_averages_so_it_steps_with_the_worker_batch():
     store = train_worker.HorovodStore(FakeHvd())
     assert (store.rank, store.num_workers) == (2, 4)
     assert train_worker.batch_workers(store) == 1
-    assert train_worker.store_warmup_exchanges(store) == 0
-    assert train_worker.exchanges_done(store) == 0
+    assert train_worker.store_steady(store)
 
 
 def test_ring_floor_and_speedups_vs_horovod():

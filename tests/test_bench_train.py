@@ -208,24 +208,23 @@ def test_steps_per_epoch_uses_the_smallest_part():
     assert train.steps_per_epoch(9, 4, 1) == 0               # parts 3, 3, 3, 0
 
 
-def test_store_warmup_is_read_from_the_store():
+def test_store_is_steady_once_its_route_is_settled_and_warm_up_done():
     class Plain:
         pass
 
-    class WithAttr:
-        warmup_steps = 30
+    class Hylo:
+        def __init__(self, route, warming_up):
+            self.route, self.warming = route, warming_up
 
         def stats(self):
-            return {"steps": 7}
-
-    class FromStats:
-        def stats(self):
-            return {"steps": 3, "options": {"warmup_steps": 5}}
-    assert train_worker.store_warmup_exchanges(Plain()) == 0
-    assert train_worker.exchanges_done(Plain()) == 0
-    assert train_worker.store_warmup_exchanges(WithAttr()) == 30
-    assert train_worker.exchanges_done(WithAttr()) == 7
-    assert train_worker.store_warmup_exchanges(FromStats()) == 5
+            return {"steps": 7, "route": self.route, "warming_up": self.warming}
+    settled, on_trial = {"route": "workers", "settled": True}, {"route": "servers",
+                                                                 "settled": False}
+    assert train_worker.store_steady(Plain())
+    assert not train_worker.store_steady(Hylo(None, False))        # before its first step
+    assert not train_worker.store_steady(Hylo(on_trial, False))
+    assert not train_worker.store_steady(Hylo(settled, True))
+    assert train_worker.store_steady(Hylo(settled, False))
 
 
 def test_lr_schedule_reaches_the_servers():

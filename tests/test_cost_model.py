@@ -166,7 +166,7 @@ class _NoServers:
 
 def _placed(links, sizes, servers=2):
     from mxhylo.kvstore.ps_keys import KeyTable
-    table = KeyTable(_NoServers(), servers, 1 << 20, 1 << 18, 1 << 16, None, False)
+    table = KeyTable(_NoServers(), servers, 1 << 20, 1 << 18, 1 << 16, None)
     if links is not None:
         table.use_links(links, 1234)
         assert table.split_elements == 1234

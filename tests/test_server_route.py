@@ -16,23 +16,6 @@ from mxhylo.kvstore.wire import ChunkLayout
 
 # -- the rule ----------------------------------------------------------------------------
 
-def test_route_rule_weighs_the_update_where_it_runs():
-    """The update runs on every worker in hylo's route and is shared by the servers in
-    theirs: with every layer dense either way, the update decides (4 s of update, 2
-    servers: 2 s on the servers' route against 4 s on the workers')."""
-    from mxhylo.kvstore.plan import Costs, make_plan
-    from mxhylo.kvstore.policy import LayerPolicy
-    costs = Costs(WireCost(0.0, 1e-9), {"fc_2bit": CodecCost(1.0, 1.0),
-                                        "conv_topk": CodecCost(1.0, 1.0)}, update_s=4.0)
-    plan = make_plan([("w", (1000, 1000))], policy=LayerPolicy(), compress_pull="gather",
-                     server_update="auto", costs=costs, trainer=TrainerFacts(),
-                     num_workers=4, num_servers=2, transport="ps")
-    assert plan.layer("w").codec == "none"          # the codec costs far more than bytes
-    assert plan.servers_s == pytest.approx(0.004 + 2.0)
-    assert plan.workers_s == pytest.approx(0.004 + 4.0)
-    assert plan.route == "servers"
-
-
 def _route_plan(per_byte_s=1.0, encode_s=0.0):
     """The Plan a store with size_threshold=4 makes for a Trainer of one Dense layer (a
     3x4 weight planned fc_2bit, 15 float32 elements in all) when its measurement found
@@ -51,19 +34,17 @@ def _route_plan(per_byte_s=1.0, encode_s=0.0):
     return kv.planner.plan_trainer(trainer), exchanged
 
 
-def test_route_is_predicted_layer_by_layer_without_exchanging_the_model():
-    """The cost model prices each route over the Trainer's layers (CostModel.predict):
-    the servers' as every layer dense, hylo's as each layer is planned; only the
-    optimizer's update is timed, no exchange of the model runs to choose."""
-    # a slow wire: compressing pays
+def test_the_trainers_first_step_times_nothing_and_puts_the_route_on_trial():
+    """At the Trainer's first step nothing is exchanged or timed to choose the route:
+    where a layer compresses it goes on trial (kvstore.route: the job's own steps
+    decide), where none does it is the servers'."""
     plan, exchanged = _route_plan()
-    assert exchanged == [] and plan.route == "workers" and "predicted" in plan.route_reason
-    assert plan.servers_s == pytest.approx(4 * 15 * 1.0, rel=1e-3)     # 60 bytes dense
-    assert plan.workers_s < 0.5 * plan.servers_s
-    assert plan.layer(plan.layers[0].name).codec in ("fc_2bit", "none")
+    assert exchanged == [] and (plan.route, plan.settled) == ("servers", False)
+    assert [d.codec for d in plan.layers if d.size == 12] == ["fc_2bit"]
+    assert plan.workers_s is None and plan.servers_s is None
     # codecs that cost more than the bytes they save: every layer dense, the servers
     plan, exchanged = _route_plan(per_byte_s=1e-9, encode_s=1.0)
-    assert exchanged == [] and plan.route == "servers"
+    assert exchanged == [] and (plan.route, plan.settled) == ("servers", True)
     assert all(d.codec == "none" for d in plan.layers)
 
 

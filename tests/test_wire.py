@@ -216,10 +216,11 @@ def test_a_layer_has_a_broadcast_key_warm_up_keys_and_its_exchange_keys(strategy
     from types import SimpleNamespace
     from mxhylo.kvstore.policy import LayerPlan
     from mxhylo.kvstore.ps_keys import KeyTable
-    layer = SimpleNamespace(key="w", plan=LayerPlan("w", shape, strategy, rate=0.25, k=16))
+    layer = SimpleNamespace(key="w", plan=LayerPlan("w", shape, strategy, rate=0.25, k=16),
+                            warms_up=True)
     value, size = mx.nd.ones(shape), int(np.prod(shape))
     store = _RecordingStore()
-    table = KeyTable(store, 2, 1 << 20, 1 << 18, 1 << 16, "gather", True)
+    table = KeyTable(store, 2, 1 << 20, 1 << 18, 1 << 16, "gather")
     before = set(store.initialised)                  # (the model check's key)
     table.init([layer], [value])
     made = {k: v for k, v in store.initialised.items() if k not in before}
@@ -246,10 +247,10 @@ def test_a_models_layers_are_made_with_one_barrier():
     calls = []
     init = store.init
     store.init = lambda keys, values: (calls.append(keys), init(keys, values))
-    table = KeyTable(store, 2, 1 << 20, 1 << 18, 1 << 16, "gather", True)
+    table = KeyTable(store, 2, 1 << 20, 1 << 18, 1 << 16, "gather")
     calls.clear()                                        # (the model check's key)
     layers = [SimpleNamespace(key=i, plan=LayerPlan("l%d" % i, shape, strategy, rate=0.25,
-                                                    k=4))
+                                                    k=4), warms_up=True)
               for i, (shape, strategy) in enumerate([((64, 32, 3, 3), "conv_topk"),
                                                      ((512, 300), "fc_2bit"),
                                                      ((300,), "none")] * 5)]

@@ -170,6 +170,7 @@ MODES = {
 
 # ----------------------------------------------------------------------------- helpers
 
+MAX_STARTUP_STEPS = 1000    # bound of the untimed steps before a store is steady
 CHECKSUM_PIECE = 1 << 22      # elements read to the host at once by param_checksum
 
 
@@ -228,25 +229,15 @@ def batch_workers(kv):
     return int(getattr(kv, "batch_workers", None) or kv.num_workers)
 
 
-def store_warmup_exchanges(kv):
-    """How many first exchanges the store sends uncompressed (hylo's warmup_steps), 0
-    for stores without such a phase."""
-    n = getattr(kv, "warmup_steps", None)
-    if n is None and hasattr(kv, "stats"):
-        n = (kv.stats().get("options") or {}).get("warmup_steps")
-    return int(n or 0)
-
-
-def on_servers_route(kv):
-    """Whether a hylo store runs its Trainer's optimizer on the servers (its stats()
-    route, chosen at the Trainer's first step); False for other stores."""
-    route = kv.stats().get("route") if hasattr(kv, "stats") else None
-    return bool(route) and route.get("route") == "servers"
-
-
-def exchanges_done(kv):
-    """Exchanges the store has counted so far (kv.stats()['steps']), 0 without stats."""
-    return int((kv.stats() if hasattr(kv, "stats") else {}).get("steps") or 0)
+def store_steady(kv):
+    """Whether the store has reached its steady state: for a hylo store, its route
+    settled (kvstore.route's trial over) and no layer still in its dense warm-up;
+    other stores always."""
+    stats = kv.stats() if hasattr(kv, "stats") else None
+    if not stats or "warming_up" not in stats:
+        return True
+    route = stats.get("route")
+    return bool(route) and route.get("settled", True) and not stats["warming_up"]
 
 
 def peak_rss_bytes():
@@ -323,15 +314,12 @@ def run_speed(cfg, index):
         t4 = time.perf_counter()
         return {"fwd_bwd_s": t1 - t0, "exchange_s": t4 - t2, "exchange_call_s": t3 - t2}
 
-    # A store that sends its first exchanges dense (hylo's warmup_steps) is measured
-    # past them: untimed full steps until its own count says so (the same number on
-    # every worker: the count is deterministic).
-    store_warmup = store_warmup_exchanges(kv) if cfg.get("skip_store_warmup", True) else 0
+    # A store with a start-up phase (hylo: its dense warm-up, its route on trial) is
+    # measured past it: untimed full steps until it says it is steady (the same number
+    # on every worker: the phase ends at the same step on each).
     skipped = 0
-    while store_warmup and exchanges_done(kv) < store_warmup and \
-            trainer._kvstore in (None, kv) and not on_servers_route(kv):
-        # (a hylo store that took the servers' route at the Trainer's first step
-        # exchanges every layer dense: no warm-up of its own to wait for)
+    while cfg.get("skip_store_warmup", True) and trainer._kvstore in (None, kv) \
+            and not store_steady(kv) and skipped < MAX_STARTUP_STEPS:
         full_step()
         skipped += 1
     warm = []
@@ -362,7 +350,6 @@ def run_speed(cfg, index):
             "update_on_kvstore": bool(trainer._update_on_kvstore),
             "setup_s": setup_s, "store_s": store_s, "first_step": first.get("step"),
             "plan": kv.plan().as_dict() if hasattr(kv, "plan") else None,
-            "store_warmup_exchanges": store_warmup,
             "store_warmup_steps_run": skipped, "warmup": warm, "rounds": rounds, "stream": stream,
             "stats_before": stats_before, "stats": stats_after,
             "param_sha256": sha, "param_abs_sum": total, "peak_rss_bytes": peak_rss_bytes()}
