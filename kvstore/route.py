@@ -112,7 +112,7 @@ def to_servers(store, trainer):
     state = trainer._updaters[0].get_states(dump_optimizer=True)
     servers = store.transport.server_route(trainer._params)
     servers.set_optimizer(trainer._optimizer)
-    params = [p for p in trainer._params if p.grad_req != "null"]
+    params = trainer._params     # (every one, as Gluon broadcasts them: the first keys')
     servers.broadcast([trainer._param2idx[p.name] for p in params],
                       [[p.list_data()[0]] for p in params], [p.list_data() for p in params])
     servers.load_states_data(state, "the workers' optimizer state")
