@@ -53,7 +53,8 @@ TABLE = (
     ("cost_model", "'auto'", "measure the network and codecs at start-up, plan by "
      "them, re-plan when the exchange time drifts", "False to plan by the rule alone "
      "(no measurement)"),
-    ("server_update", "'auto'", "where a Trainer's optimizer runs: 'auto' (priced), "
+    ("server_update", "'auto'", "where a Trainer's optimizer runs: 'auto' (the warm-up "
+     "on the servers, then compressed steps on the workers: the faster route is kept), "
      "True (servers, dense, as dist_sync), False (workers, hylo)", "True or False to "
      "force the route"),
     ("transport", "'auto'", "'ps' (MXNet's parameter server), 'horovod', 'local'",
