@@ -14,8 +14,10 @@ One gradient's way, from ``trainer.step()`` to the servers and back:
 
 The plan is data (``kv.plan()``): made by kvstore.plan.make_plan, a pure function,
 from the model's layers, the options (kvstore.options) and what one measurement at
-start-up found (kvstore.measure). Re-planning computes a new plan from a new
-measurement and switches to it between steps; the store object never changes.
+start-up found (kvstore.measure). Where the route is on trial, the job's own steps
+decide it (kvstore.route: the warm-up on the servers' route, compressed steps on the
+workers', the faster kept). Re-planning computes a new plan from a new measurement
+and switches to it between steps; the store object never changes.
 """
 import os
 import time

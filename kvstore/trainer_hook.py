@@ -5,7 +5,7 @@ neither the parameter's name, nor the step's other keys, nor the optimizer. A hy
 needs all three: names for the policy's regexes, stats() and errors; the whole step
 at once (small layers fused, in the order backward writes them); the optimizer's
 momentum (momentum correction). So, as Horovod's DistributedTrainer overrides ``_allreduce_grads``, this
-hook replaces two methods of ``gluon.Trainer`` itself, for Trainers whose kvstore is
+hook replaces three methods of ``gluon.Trainer`` itself, for Trainers whose kvstore is
 a hylo store, and leaves every other store to Gluon's own code:
 
 * ``_init_kvstore``: once Gluon has created the Trainer's store, a hylo store is told
@@ -15,7 +15,12 @@ a hylo store, and leaves every other store to Gluon's own code:
   the kvstore, and stays its store;
 * ``_allreduce_grads``: a hylo store exchanges the whole step in one call
   (``Hylo.exchange_step``) instead of Gluon's loop of one pushpull per key, on
-  either route.
+  either route;
+* ``_check_and_rescale_grad``: where the optimizer runs on the kvstore, Gluon refuses a
+  step whose batch size differs from the first one ("Possible change in the
+  batch_size"), because MXNet's store sent the optimizer once. A hylo store sends the
+  optimizer again whenever a setting changes (its rescale_grad too), so a Trainer of a
+  hylo store takes a last, smaller batch on either route.
 
 And one repair of MXNet's own start-up, for every distributed store:
 
@@ -67,6 +72,7 @@ def install(store_class):
     init_kvstore = gluon.Trainer._init_kvstore
     init_params = gluon.Trainer._init_params
     allreduce_grads = gluon.Trainer._allreduce_grads
+    check_and_rescale_grad = gluon.Trainer._check_and_rescale_grad
 
     @functools.wraps(init_kvstore)
     def _init_kvstore(trainer):
@@ -97,11 +103,20 @@ def install(store_class):
             return
         allreduce_grads(trainer)
 
+    @functools.wraps(check_and_rescale_grad)
+    def _check_and_rescale_grad(trainer, scale):
+        if isinstance(trainer._kvstore, store_class):
+            trainer._optimizer.rescale_grad = scale
+            return
+        check_and_rescale_grad(trainer, scale)
+
     _GLUON.update(_init_kvstore=init_kvstore, _init_params=init_params,
-                  _allreduce_grads=allreduce_grads)
+                  _allreduce_grads=allreduce_grads,
+                  _check_and_rescale_grad=check_and_rescale_grad)
     gluon.Trainer._init_kvstore = _init_kvstore
     gluon.Trainer._init_params = _init_params
     gluon.Trainer._allreduce_grads = _allreduce_grads
+    gluon.Trainer._check_and_rescale_grad = _check_and_rescale_grad
 
 
 def _broadcast_copies(trainer):

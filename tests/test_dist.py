@@ -366,7 +366,8 @@ def test_servers_route_equals_dist_sync_and_takes_a_new_learning_rate(tmp_path):
     cut over both servers), bitwise what MXNet's dist_sync gives; a learning rate and
     momentum set to 0 on the Trainer reach the servers (the weights stop: under
     dist_sync they would go on moving with the servers' momentum); the store stays the
-    Trainer's, and trainer.save_states saves (tests/test_server_states.py: what)."""
+    Trainer's, trainer.save_states saves (tests/test_server_states.py: what), and a
+    last, smaller batch steps (Gluon refuses it with MXNet's own store)."""
     reports, arrays = _route_run(tmp_path, "servers")
     dense_reports, dense = _route_run(tmp_path, "dist_sync")
     for report in reports:
@@ -374,6 +375,7 @@ def test_servers_route_equals_dist_sync_and_takes_a_new_learning_rate(tmp_path):
         route = report["route"]
         assert (route["route"], route["reason"]) == ("servers", "server_update=True")
         assert report["save_states"] == "saved"
+        assert report["smaller_batch"] == "ok"
         # the 1 179 648-element weight is cut over both servers, the rest whole
         assert sorted(len(p) for p in report["pieces"].values()) == [1] * 5 + [2]
         assert sorted(max(report["pieces"].values(), key=len)) == [0, 1]
