@@ -289,6 +289,17 @@ def trainer_order(how):
               open(out.format(rank=kv.rank), "w"))
 
 
+def train_step(net, trainer, rng, batch=4):
+    """One step of the route jobs' net on ``batch`` random samples (4 x 8 x 8, 10
+    classes)."""
+    x = mx.nd.array(rng.normal(size=(batch, 4, 8, 8)))
+    y = mx.nd.array(rng.randint(0, 10, size=batch))
+    with mx.autograd.record():
+        loss = mx.gluon.loss.SoftmaxCrossEntropyLoss()(net(x), y)
+    loss.backward()
+    trainer.step(batch)
+
+
 def route(how):
     """Where the optimizer runs: on the servers' route, as dist_sync, or chosen."""
     from mxnet import gluon
@@ -314,16 +325,10 @@ def route(how):
                             kvstore=kv)
     rank = trainer._kvstore.rank if trainer._kvstore is not None else None
     rng = np.random.RandomState(7)
-    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
 
     def steps(n):
         for _ in range(n):
-            x = mx.nd.array(rng.normal(size=(4, 4, 8, 8)))
-            y = mx.nd.array(rng.randint(0, 10, size=4))
-            with mx.autograd.record():
-                loss = loss_fn(net(x), y)
-            loss.backward()
-            trainer.step(4)
+            train_step(net, trainer, rng)
         mx.nd.waitall()
         return {"%d" % i: p.data().asnumpy() for i, p in
                 enumerate(net.collect_params().values())}
@@ -348,12 +353,8 @@ def route(how):
         except NotImplementedError as err:
             report["save_states"] = str(err)
         # a last, smaller batch (Gluon refuses it where MXNet's store updates)
-        x = mx.nd.array(rng.normal(size=(2, 4, 8, 8)))
-        with mx.autograd.record():
-            loss = loss_fn(net(x), mx.nd.array(rng.randint(0, 10, size=2)))
-        loss.backward()
         try:
-            trainer.step(2)
+            train_step(net, trainer, rng, batch=2)
             mx.nd.waitall()
             report["smaller_batch"] = "ok"
         except UserWarning as err:
@@ -386,18 +387,14 @@ def trial(faster, net):
                             {"learning_rate": 0.05, "momentum": 0.9, "wd": 1e-4},
                             kvstore=kv)
     rng = np.random.RandomState(7)
-    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     routes = []
     for _ in range(12):
-        x = mx.nd.array(rng.normal(size=(4, 4, 8, 8)))
-        y = mx.nd.array(rng.randint(0, 10, size=4))
-        with mx.autograd.record():
-            loss = loss_fn(net(x), y)
-        loss.backward()
-        trainer.step(4)
+        train_step(net, trainer, rng)
         routes.append("servers" if trainer._update_on_kvstore else "workers")
     mx.nd.waitall()
     route_module.time = real_time       # (the clock holds the store: not at exit)
+    # an evaluation forward after training, read on the host
+    evaluation = net(mx.nd.array(rng.normal(size=(4, 4, 8, 8)))).asnumpy()
     rank = kv.rank
     states = out.format(rank=rank) + ".states"
     trainer.save_states(states)
@@ -408,7 +405,8 @@ def trial(faster, net):
                "compressed": sorted(n for n, p in kv.plans().items()
                                     if p.strategy != "none"),
                "update_on_kvstore": bool(trainer._update_on_kvstore),
-               "num_update": trainer._optimizer.num_update},
+               "num_update": trainer._optimizer.num_update,
+               "evaluation_finite": bool(np.isfinite(evaluation).all())},
               open(out.format(rank=rank), "w"))
 
 

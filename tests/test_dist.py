@@ -436,6 +436,7 @@ def test_route_trial_keeps_the_faster_route_and_moves_the_optimizer(tmp_path, fa
             assert report["routes"] == ["servers"] * 3 + ["workers"] * 6 + ["servers"] * 3
             assert (route["servers_s"], route["workers_s"]) == (1.0, 2.0)
         assert report["update_on_kvstore"] == (faster == "servers")
+        assert report["evaluation_finite"], report
         with open(out.format(rank=report["rank"]) + ".states", "rb") as f:
             content = pickle.load(f)
         states, optimizer = content if isinstance(content, tuple) else (content, None)
