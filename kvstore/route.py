@@ -54,6 +54,8 @@ class RouteTrial:
         return self.phase == "done"
 
     def at_step(self, store, trainer):
+        if self.done:
+            return
         self.starts.append(time.perf_counter())
         step = len(self.starts) - 1         # this step's index
         if self.phase == "servers" and step == self.warmup_steps:
