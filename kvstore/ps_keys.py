@@ -24,6 +24,10 @@ from .wire import ChunkLayout, plan_chunks, rows_from_zero
 
 # MXNet's default MXNET_KVSTORE_BIGARRAY_BOUND: dist_sync cuts keys from this many elements
 MXNET_BIGARRAY_BOUND = 1000 * 1000
+# elements of a window of the servers' optimizer state (StateKeys): a save of resnet50's
+# SGD momentum (100 MB) takes ~100 windows per server; every worker registers all its
+# mailboxes with one push of this size each
+STATE_WINDOW = 1 << 17
 # a bucket gathers small layers written within this fraction of backward (in gradient
 # elements): KeyTable.bucket_groups
 BUCKET_SPANS = 8
@@ -45,6 +49,37 @@ class BucketKey:
     pskey: int
     layout: ChunkLayout
     recv: mx.nd.NDArray
+
+
+@dataclass
+class StateKeys:
+    """The keys the servers' optimizer state travels in (kvstore.server, module
+    docstring): per server, one 'mailbox' key per worker (mailboxes[server][rank]),
+    read through, and one 'load' key (loads[server]), of STATE_WINDOW elements and
+    1 + STATE_WINDOW; not part of the load. ``registered``: whether every worker has
+    pushed into every mailbox (kvstore.server_route.ServerRoute.sync_optimizer)."""
+    mailboxes: dict
+    loads: dict
+    registered: bool = False
+
+    @classmethod
+    def place(cls, table, keys, values):
+        """Place them in ``table`` (a KeyTable), appending each key and its initial
+        value (zeros) to ``keys`` and ``values`` for the caller's kv.init."""
+        mailboxes, loads = {}, {}
+        for server in range(table.num_servers):
+            made = []
+            for worker in range(table.num_workers + 1):
+                kind, size = ("mailbox", STATE_WINDOW) if worker < table.num_workers \
+                    else ("load", 1 + STATE_WINDOW)
+                pskey = table._key_on(server)
+                table.layouts[pskey] = ("optimizer state (%s)" % kind,
+                                        ChunkLayout(kind, 0, size, size, server=server))
+                keys.append(pskey)
+                values.append(mx.nd.zeros((size,)))
+                made.append(pskey)
+            mailboxes[server], loads[server] = made[:-1], made[-1]
+        return cls(mailboxes, loads)
 
 
 class KeyTable:
@@ -76,6 +111,7 @@ class KeyTable:
         self._load = [0] * num_servers
         self._weights = None      # seconds per byte per server (use_links), None: equal
         self._link_probes = {}    # (server, sizes) -> the link probe's ps keys
+        self.state_keys = None    # StateKeys, with the first 'update' keys
         # workers' model check: each worker writes a fingerprint of every new layer into
         # its own slot of this key; the server's sum gathers them (see check_same_model)
         self._check_key = self._key_on(0)
@@ -157,6 +193,12 @@ class KeyTable:
             self.send_layouts(route=route)
             return
         self.kv.set_optimizer(ServerDecoder({}, route))
+
+    def send_fills(self, fills):
+        """Have the servers write windows of their optimizer state into mailboxes
+        (``fills``: 'mailbox' ps key -> offset in its server's stream; kvstore.server);
+        returns once every server has."""
+        self.kv.set_optimizer(ServerDecoder({}, fills=fills))
 
     def check_servers_decode(self):
         """Fail fast unless every server runs hylo's decoder.
@@ -292,48 +334,33 @@ class KeyTable:
 
     def update_keys(self, params):
         """Keys for parameters whose optimizer runs on the servers
-        (kvstore.server_route). ``params``: (name, value, state_arrays) per parameter;
-        returns per parameter ([Chunk] of kind 'update', [Chunk] of kind 'state').
-
-        The 'update' keys are dense pieces cut as dist_sync cuts its keys
-        (_route_chunks), each placed on the least-loaded server, initialized with rank
-        0's ``value``. Each has a 'state' key on the same server (its ``ref``: the
-        update key) of 1 + state_arrays * n float32 values for a piece of n elements
-        (kvstore.server: its update count, then the optimizer's state_arrays arrays of
-        the piece), initialized with zeros; not part of the load (it travels only when
-        a checkpoint is saved or loaded). Collective: every worker calls this, in the
+        (kvstore.server_route). ``params``: (name, value) per parameter; returns per
+        parameter its [Chunk] of kind 'update': dense pieces cut as dist_sync cuts its
+        keys (_route_chunks), each placed on the least-loaded server, initialized with
+        rank 0's ``value``. The first call also makes the keys the servers' optimizer
+        state travels in (``state_keys``). Collective: every worker calls this, in the
         same order (one barrier for all the keys). Their layouts reach the servers with
         the next send_layouts."""
-        self._check_same(repr([("update", v.shape, s) for _, v, s in params]),
-                         "the parameters %s are %s with %s optimizer state arrays"
-                         % ([n for n, _, _ in params][:5], [v.shape for _, v, _ in params][:5],
-                            [s for _, _, s in params][:5]))
+        self._check_same(repr([("update", v.shape) for _, v in params]),
+                         "the parameters %s are %s" % ([n for n, _ in params][:5],
+                                                       [v.shape for _, v in params][:5]))
         keys, values, made = [], [], []
-        for name, value, state_arrays in params:
-            made.append(self._update_keys(name, value, state_arrays, keys, values))
+        for name, value in params:
+            chunks = []
+            for layout in self._route_chunks(value.shape):
+                pskey, server = self._place(layout.wire_nbytes)
+                layout = dataclasses.replace(layout, kind="update", server=server)
+                self.layouts[pskey] = (name, layout)
+                chunks.append(Chunk(pskey, layout))
+            flat = value.reshape((-1,))
+            keys += [c.pskey for c in chunks]
+            values += [flat[c.layout.lo:c.layout.hi] for c in chunks]
+            made.append(chunks)
+        if self.state_keys is None:
+            self.state_keys = StateKeys.place(self, keys, values)
         self.kv.init(keys, values)      # one barrier for every parameter
         self.layouts_sent = False
         return made
-
-    def _update_keys(self, name, value, state_arrays, keys, values):
-        """Place one parameter's 'update' and 'state' keys; append each key and its
-        initial value to ``keys`` and ``values``; ([Chunk] update, [Chunk] state)."""
-        chunks, states = [], []
-        for layout in self._route_chunks(value.shape):
-            pskey, server = self._place(layout.wire_nbytes)
-            layout = dataclasses.replace(layout, kind="update", server=server)
-            self.layouts[pskey] = (name, layout)
-            chunks.append(Chunk(pskey, layout))
-            state = dataclasses.replace(layout, kind="state", ref=pskey,
-                                        size=1 + state_arrays * layout.size)
-            skey = self._key_on(server)
-            self.layouts[skey] = (name + " (optimizer state)", state)
-            states.append(Chunk(skey, state))
-        flat = value.reshape((-1,))
-        keys += [c.pskey for c in chunks + states]
-        values += [flat[c.layout.lo:c.layout.hi] for c in chunks]
-        values += [mx.nd.zeros(c.layout.key_shape) for c in states]
-        return chunks, states
 
     def replan(self, old, new):
         """Keys for ``new``: layer ``old`` (the same key and shape) under another plan

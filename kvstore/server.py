@@ -15,16 +15,23 @@ server runs the Trainer's optimizer on it with the summed gradient. The optimize
 in a ServerDecoder too (``route``, a RouteOptimizer); its state lives in this server
 process, so a new learning rate sent mid-run keeps the momentum and the update counts.
 
-That state is also kept where the workers can read it, for trainer.save_states: every
-'update' key P has a key S of kind 'state' on the same server (``layout.ref`` = P) of
-1 + m * n float32 values for a piece of n elements: [P's update count, the optimizer's
-m state arrays of the piece, each n values, in the order ``state_arrays`` lists them].
-Every worker pushes zeros into S once (registering it): the server then keeps S's stored
-array and makes P's optimizer state views of it, so every update writes the state
-straight into what a worker pulls (a pull needs no other worker: rank 0 saves alone),
-and P's count follows each update. A push whose first value is not zero loads S
-(trainer.load_states: rank 0 pushes the values, the other workers zeros): first value
-c + 1 sets P's count to c (-1 keeps the count), the rest become P's state.
+That state stays in this process, as on MXNet's own servers (no parameter-server key
+holds it, so the first step makes and sends nothing for it). The workers reach it, for
+trainer.save_states, load_states and the route's moves, as one stream per server: for
+each 'update' key of the route in force on that server, in key order, [its update
+count, the optimizer's m state arrays of the piece, each n values, in the order
+``state_arrays`` lists them] (``state_stream``). Two kinds of small key carry windows
+of it:
+
+* 'mailbox': one per worker and server, registered once by every worker's push (the
+  server keeps its stored array). A worker sends ``fills`` (mailbox key -> offset in
+  the stream, in a ServerDecoder) and the server writes that window of the stream into
+  the mailbox, which the worker then pulls: no other worker takes part, so rank 0 can
+  save alone, and each worker reads through its own mailbox at any time.
+* 'load': one per server; every worker pushes windows of the stream in rounds (rank 0
+  its file's values, the others zeros), the first value of each push the round + 1.
+  A count value c + 1 sets the key's count to c (-1 keeps it); the rest becomes the
+  key's state.
 """
 import logging
 import os
@@ -60,19 +67,24 @@ class ServerDecoder(mx.optimizer.Optimizer):
     whenever the workers define new keys; a key whose layout differs from what another
     worker sent means the workers train different models, which ends the server with
     an error saying so. route: None (unchanged) or a RouteOptimizer for the 'update'
-    keys.
+    keys. fills: 'mailbox' ps key -> offset in its server's state stream, windows to
+    write into the mailboxes this server has (see the module docstring).
     """
 
-    def __init__(self, layouts, route=None, **kwargs):
+    def __init__(self, layouts, route=None, fills=None, **kwargs):
         super().__init__(**kwargs)
         self.layouts = dict(layouts)
         self.route = route
+        self.fills = dict(fills or {})
 
     def __setstate__(self, state):
         super().__setstate__(state)
         _SERVER.merge_layouts(self.layouts)
         if self.route is not None:
             _SERVER.set_route(self.route)
+        for key, offset in getattr(self, "fills", {}).items():
+            if key in _SERVER.mailboxes:        # (another server's mailbox: not here)
+                _SERVER.fill_mailbox(key, offset)
 
     def create_state(self, index, weight):
         return None
@@ -111,27 +123,56 @@ def rebuild_state(state, arrays):
     return next(arrays)
 
 
+@dataclass(frozen=True)
+class StatePart:
+    """One part of a server's state stream (see the module docstring): of 'update' ps
+    key ``key``, its update count (index 0) or the optimizer's state array ``index``
+    (from 1); ``start``: its first element in the stream; ``size``: its elements."""
+    key: int
+    index: int
+    start: int
+    size: int
+
+
+def state_stream(entries):
+    """[StatePart] of a stream of ``entries``: (update ps key, n elements of the piece,
+    m state arrays), in order."""
+    parts, start = [], 0
+    for key, n, m in entries:
+        for index, size in [(0, 1)] + [(j + 1, n) for j in range(m)]:
+            parts.append(StatePart(key, index, start, size))
+            start += size
+    return parts
+
+
+def stream_window(parts, lo, hi):
+    """(part, first element in the part, first element in the window, elements) of every
+    part of ``parts`` overlapping the window [lo, hi) of the stream."""
+    for part in parts:
+        a, b = max(lo, part.start), min(hi, part.start + part.size)
+        if a < b:
+            yield part, a - part.start, a - lo, b - a
+
+
 class ServerState:
     """Everything one server process keeps between ServerDecoders (a new table of
     layouts, for new keys, or a new optimizer replaces the decoder, not this):
 
     layouts: ps key -> (layer name, ChunkLayout), merged from every table received;
     codecs: the decoders of compressed pushes; optimizer: the Trainer's, for the
-    'update' keys (None until a RouteOptimizer comes); optimizer_states: ps key -> its
-    state; state_stores: 'update' ps key -> MXNet's stored array of its 'state' key,
-    float32 (1 + m * n,) (see the module docstring); state_views: the 'update' keys
-    whose optimizer_states are views of their state_stores; state_loaded: those whose
-    state_stores hold loaded values their state, not made yet, is to start from.
+    'update' keys (None until a RouteOptimizer comes); route_keys: the 'update' keys of
+    the route in force (its RouteOptimizer's), sorted; optimizer_states: ps key -> its
+    optimizer state; mailboxes: 'mailbox' ps key -> MXNet's stored array of it, once
+    registered (see the module docstring).
     """
 
     def __init__(self):
         self.layouts = {}
         self.codecs = make_compressors()
         self.optimizer = None
+        self.route_keys = []
         self.optimizer_states = {}
-        self.state_stores = {}
-        self.state_views = set()
-        self.state_loaded = set()
+        self.mailboxes = {}
 
     def set_route(self, route):
         """Take ``route``'s optimizer for the 'update' keys. A replacement (the Trainer's
@@ -146,86 +187,68 @@ class ServerState:
             optimizer._index_update_count = self.optimizer._index_update_count
             optimizer.num_update = self.optimizer.num_update
         self.optimizer = optimizer
+        self.route_keys = sorted(route.mults)
 
     def update_weight(self, key, stored, received):
         """The Trainer's optimizer on an 'update' key: ``stored`` is the weight piece,
         ``received`` the workers' summed gradient of it."""
+        self.optimizer.update_multi_precision(key, stored, received, self._state(key))
+
+    def _state(self, key):
+        """The optimizer state of 'update' key ``key``, made (as the optimizer makes it
+        for a weight of the piece's size) if it has none yet."""
         if self.optimizer is None:
             _fatal("parameter-server key %d updates its weight on the servers, but no "
                    "optimizer was sent" % key)
         if key not in self.optimizer_states:
-            self.optimizer_states[key] = \
-                self.optimizer.create_state_multi_precision(key, stored)
-        if key in self.state_stores and key not in self.state_views:
-            self._state_into_views(key)
-        self.optimizer.update_multi_precision(key, stored, received,
-                                              self.optimizer_states[key])
-        if key in self.state_views:
-            store = self.state_stores[key]
-            store[0:1] = float(self.optimizer._index_update_count.get(key, 0))
-            # MXNet answers a pull from the stored array without waiting for the
-            # engine, and waits here only for the weight's writers
-            store.wait_to_read()
+            self.optimizer_states[key] = self.optimizer.create_state_multi_precision(
+                key, mx.nd.zeros((self.layouts[key][1].size,)))
+        return self.optimizer_states[key]
 
-    def _state_into_views(self, key):
-        """Make 'update' key ``key``'s optimizer state views of its 'state' key's stored
-        array: with the values it holds if a load came before the state was made, else
-        with the state's own values (copied in, with the key's update count)."""
-        store, state = self.state_stores[key], self.optimizer_states[key]
-        arrays = state_arrays(state)
-        if store.size != 1 + sum(a.size for a in arrays):
-            # (the optimizer sent at the first step keeps other arrays than the one the
-            # keys were made for): the state stays apart, and a save says so
-            log.warning("key %d: optimizer state of %d arrays does not fit its state key "
-                        "of %d values", key, len(arrays), store.size)
-            del self.state_stores[key]
-            store[0:1] = -1.0
-            store.wait_to_read()
-            return
-        loaded = key in self.state_loaded
-        views, offset = [], 1
-        for a in arrays:
-            view = store[offset:offset + a.size].reshape(a.shape)
-            if not loaded:
-                view[:] = a
-            views.append(view)
-            offset += a.size
-        if not loaded:
-            store[0:1] = float(self.optimizer._index_update_count.get(key, 0))
-        self.optimizer_states[key] = rebuild_state(state, iter(views))
-        self.state_views.add(key)
-        self.state_loaded.discard(key)
-        store.wait_to_read()
+    def _stream(self, server):
+        """The state stream (StatePart list) of ``server``'s keys of the route."""
+        keys = [k for k in self.route_keys if self.layouts[k][1].server == server]
+        return state_stream([(k, self.layouts[k][1].size, len(state_arrays(self._state(k))))
+                             for k in keys])
 
-    def take_state(self, key, stored, received):
-        """A push into 'state' key ``key``: ``stored`` is its stored array (MXNet's, kept
-        here), ``received`` the workers' summed push; registers it (all zeros) or loads
-        it (see the module docstring)."""
-        ref = self.layouts[key][1].ref
-        self.state_stores[ref] = stored
-        flag = float(received[0:1].asscalar())
-        if flag == 0.0:             # a register: the state goes on (or starts) as it is
-            if ref in self.optimizer_states and ref not in self.state_views:
-                self._state_into_views(ref)
-            return
-        if self.optimizer is None:
-            _fatal("parameter-server key %d: optimizer state loaded before an optimizer "
-                   "was sent" % key)
+    def fill_mailbox(self, key, offset):
+        """Write the window of the stream from element ``offset`` into registered
+        'mailbox' key ``key``'s stored array (zeros past the stream's end)."""
+        stored = self.mailboxes[key]
+        stored[:] = 0.0
         counts = self.optimizer._index_update_count
-        if flag > 0.0:
-            count = int(flag) - 1
-            if count > 0:
-                counts[ref] = count
+        parts = self._stream(self.layouts[key][1].server)
+        for part, src, dst, n in stream_window(parts, offset, offset + stored.size):
+            if part.index == 0:
+                stored[dst:dst + 1] = float(counts.get(part.key, 0))
             else:
-                counts.pop(ref, None)      # a fresh key: the optimizer's begin_num_update
-            self.optimizer.num_update = max([self.optimizer.begin_num_update]
-                                            + list(counts.values()))
-        stored[:] = received        # (through the state's views, if it has them)
-        stored[0:1] = float(counts.get(ref, 0))
-        if ref not in self.state_views:
-            self.state_loaded.add(ref)
-            if ref in self.optimizer_states:
-                self._state_into_views(ref)
+                array = state_arrays(self._state(part.key))[part.index - 1]
+                stored[dst:dst + n] = array.reshape((-1,))[src:src + n]
+        # MXNet answers a pull from the stored array without waiting for the engine
+        stored.wait_to_read()
+
+    def load_window(self, key, received):
+        """Take one round of a load pushed into 'load' key ``key``: ``received``, the
+        workers' sum, is [W * (round + 1), the window of the stream from round * its
+        size]."""
+        values = received.asnumpy()
+        size = values.size - 1
+        offset = (int(round(values[0] / _num_workers())) - 1) * size
+        counts = self.optimizer._index_update_count
+        parts = self._stream(self.layouts[key][1].server)
+        for part, src, dst, n in stream_window(parts, offset, offset + size):
+            if part.index == 0:
+                count = int(values[1 + dst]) - 1
+                if count > 0:
+                    counts[part.key] = count
+                elif count == 0:
+                    counts.pop(part.key, None)    # a fresh key: begin_num_update
+            else:
+                array = state_arrays(self._state(part.key))[part.index - 1]
+                array.reshape((-1,))[src:src + n] = received[1 + dst:1 + dst + n]
+        self.optimizer.num_update = max([self.optimizer.begin_num_update]
+                                        + list(counts.values()))
+        mx.nd.waitall()
 
     def merge_layouts(self, layouts):
         for key, (name, layout) in layouts.items():
@@ -248,8 +271,11 @@ class ServerState:
             if layout.kind == "update":
                 self.update_weight(key, stored, received)
                 return
-            if layout.kind == "state":
-                self.take_state(key, stored, received)
+            if layout.kind == "mailbox":
+                self.mailboxes[key] = stored        # (a register: what came is zeros)
+                return
+            if layout.kind == "load":
+                self.load_window(key, received)
                 return
             if layout.kind == "dense":
                 stored[:] = received

@@ -18,14 +18,13 @@ each parameter's gradients and pulls its new weights through here. Beyond dist_s
 the parameters' lr_mult and wd_mult are honoured on the servers, and a learning rate
 (or any other optimizer setting) changed on the Trainer reaches them before the next
 step's pushes (``sync_optimizer``). Like dist_sync, the optimizer's state lives on the
-servers; unlike dist_sync, ``trainer.save_states`` and ``load_states`` work: each
-update key has a key of kind 'state' that the servers keep the key's optimizer state
-and update count in (kvstore.server), which a worker pulls to save (rank 0 may save
-alone) and every worker pushes to load (rank 0 the file's values, the others zeros).
-The file is the one Gluon writes where the optimizer runs on the workers (MXNet's
-Updater states: a pickle of ({parameter index: state}, optimizer)), so a checkpoint
-saved on either route loads on either: which route a job takes depends on what it
-measures, and a resumed job may take the other one.
+servers; unlike dist_sync, ``trainer.save_states`` and ``load_states`` work: a worker
+reads the servers' state through mailbox keys of its own, a window at a time (rank 0
+may save alone), and every worker pushes a file's state in windows to load it
+(kvstore.server says how). The file is the one Gluon writes where the optimizer runs
+on the workers (MXNet's Updater states: a pickle of ({parameter index: state},
+optimizer)), so a checkpoint saved on either route loads on either: which route a job
+takes depends on what it measures, and a resumed job may take the other one.
 
 The pieces are pulled into a copy of each parameter that the store owns, and that copy
 is copied whole into the parameter's arrays: never a piece into a view of a parameter.
@@ -42,7 +41,7 @@ import mxnet as mx
 import numpy as np
 
 from .plan import ELEMENTWISE_OPTIMIZERS
-from .server import RouteOptimizer, _as_list, rebuild_state, state_arrays
+from .server import RouteOptimizer, _as_list, rebuild_state, state_arrays, state_stream
 
 
 @dataclass
@@ -67,12 +66,10 @@ class ServerRoute:
         self._chunks = {}       # parameter index -> [Chunk] of kind 'update'
         self._weights = {}      # parameter index -> the store's copy of it (its shape)
         self._pulls = {}        # parameter index -> per Chunk, its span of that copy
-        self._states = {}       # parameter index -> per Chunk, its Chunk of kind 'state'
         # parameter index -> (its optimizer state's structure for a weight of one
         # element, as the Trainer's optimizer made it when the parameter's keys were
         # made; that optimizer's class name)
         self._state_form = {}
-        self._unregistered = []     # parameter indices whose state keys await a push
         self._optimizer = None  # the Trainer's optimizer, as last given
         self._sent = None       # the optimizer last sent, pickled
 
@@ -90,9 +87,20 @@ class ServerRoute:
     def sync_optimizer(self, optimizer):
         """Send ``optimizer`` to the servers if any of its settings changed since it was
         last sent (its learning rate, say): called before every step's pushes. The
-        servers keep their optimizer state and update counts (kvstore.server). Then
-        registers the state keys of parameters broadcast since (collective, as the
-        step's pushes are)."""
+        servers keep their optimizer state and update counts (kvstore.server). The
+        first time after the keys are made, every worker registers its mailboxes
+        (collective, as the step's pushes are)."""
+        self._send(optimizer)
+        boxes = self._keys.state_keys
+        if boxes is not None and not boxes.registered:
+            keys = [k for made in boxes.mailboxes.values() for k in made]
+            zeros = mx.nd.zeros((self._keys.layouts[keys[0]][1].size,))
+            self._keys.kv.push(keys, [zeros] * len(keys))
+            boxes.registered = True
+
+    def _send(self, optimizer):
+        """Send ``optimizer`` with the multipliers of every 'update' key (and the table
+        of layouts if a key was made since) unless that was the last sent."""
         self._optimizer = optimizer
         state = pickle.dumps(optimizer)     # (MXNet's pickling drops param_dict)
         if state != self._sent or not self._keys.layouts_sent:
@@ -101,19 +109,6 @@ class ServerRoute:
                      for i, chunks in self._chunks.items() for c in chunks}
             self._keys.send_route(RouteOptimizer(pickle.loads(state), mults))
             self._sent = state
-        self._register_states()
-
-    def _register_states(self):
-        """Push zeros into the state keys not pushed yet (every worker: a server sees a
-        key in a push only), so that the servers keep each update key's optimizer state
-        in its state key from then on (kvstore.server). Zeros change nothing: a
-        register that shares a round with a load leaves the load's values."""
-        if not self._unregistered:
-            return
-        keys = [c.pskey for k in self._unregistered for c in self._states[k]]
-        self._keys.kv.push(keys, [mx.nd.zeros((self._keys.layouts[key][1].size,))
-                                  for key in keys])
-        self._unregistered = []
 
     def broadcast(self, key, value, out, priority=0):
         """Store rank 0's ``value`` of parameter ``key`` on the servers (in the pieces
@@ -133,13 +128,13 @@ class ServerRoute:
         # them: the store's copies, never views of a parameter (MXNet neither sends
         # from nor writes through a view of a oneDNN-layout weight)
         copies = [v[0].copy() for v in values]
-        forms = [self._template(k, (1,)) for k in keys]
-        made = self._keys.update_keys([(self._name(k), w, len(state_arrays(f)))
-                                       for k, w, f in zip(keys, copies, forms)])
-        for k, weights, form, (chunks, states), o in zip(keys, copies, forms, made, outs):
-            self._chunks[k], self._states[k] = chunks, states
+        # (an elementwise optimizer's state has the same structure for every float32
+        # parameter: made once)
+        form = self._template(keys[0], (1,)) if keys else None
+        made = self._keys.update_keys([(self._name(k), w) for k, w in zip(keys, copies)])
+        for k, weights, chunks, o in zip(keys, copies, made, outs):
+            self._chunks[k] = chunks
             self._state_form[k] = (form, type(self._optimizer).__name__)
-            self._unregistered.append(k)
             self._weights[k] = weights
             self._pulls[k] = pull_targets(weights, self._chunks[k])
             self._sent = None       # the new keys' multipliers go with the next send
@@ -213,29 +208,31 @@ class ServerRoute:
         worker's last step has come back: one worker may save alone."""
         for weights in self._weights.values():
             weights.wait_to_read()      # the servers updated every piece this step
-        keys = [c.pskey for k in sorted(self._states) for c in self._states[k]]
-        outs = [mx.nd.zeros((self._keys.layouts[key][1].size,)) for key in keys]
-        if keys:
-            self._keys.kv.pull(keys, out=outs)
-        got = dict(zip(keys, outs))
+        made_by = {name for _, name in self._state_form.values()}
+        if made_by - {type(self._optimizer).__name__}:
+            raise RuntimeError(
+                "the servers run optimizer %s, and the parameters' keys were made for %s: "
+                "their optimizer state cannot be saved" % (
+                    type(self._optimizer).__name__, ", ".join(sorted(made_by))))
+        self._send(self._optimizer)     # (the servers' streams are of the keys sent)
+        streams = self._streams()
+        got = self._read_streams(streams)
+        where = {(p.key, p.index): (server, p)
+                 for server, parts in streams.items() for p in parts}
         states, counts = {}, {}
         for k in sorted(self._chunks):
             shape = self._weights[k].shape
             form = self._state_form[k][0]
             arrays = [np.zeros(shape, np.float32).reshape(-1) for _ in state_arrays(form)]
             count = 0
-            for c, s in zip(self._chunks[k], self._states[k]):
-                values = got[s.pskey].asnumpy()
-                if values[0] < 0:
-                    raise RuntimeError(
-                        "parameter %s: the servers' optimizer state does not fit its "
-                        "state key (the optimizer that made it keeps other arrays than "
-                        "the Trainer's had when its parameters were sent): it cannot be "
-                        "saved" % self._name(k))
-                count = max(count, int(values[0]))
-                n = c.layout.size
-                for j, flat in enumerate(arrays):
-                    flat[c.layout.lo:c.layout.hi] = values[1 + j * n:1 + (j + 1) * n]
+            for c in self._chunks[k]:
+                for j in range(1 + len(arrays)):
+                    server, part = where[(c.pskey, j)]
+                    values = got[server][part.start:part.start + part.size]
+                    if j == 0:
+                        count = max(count, int(values[0]))
+                    else:
+                        arrays[j - 1][c.layout.lo:c.layout.hi] = values
             states[k] = rebuild_state(form, iter(
                 mx.nd.array(a.reshape(shape), dtype=np.float32) for a in arrays))
             if count:
@@ -266,26 +263,80 @@ class ServerRoute:
         states, optimizer = self._read_states(data, what)
         self.sync_optimizer(self._optimizer if optimizer is None else optimizer)
         counts = None if optimizer is None else optimizer._index_update_count
-        rank0 = self._keys.rank == 0
-        keys, values = [], []
-        for k in sorted(self._chunks):
-            arrays = [_numpy(a).reshape(-1) for a in state_arrays(states.get(k))] \
-                if rank0 else []
-            count = None if counts is None else int(counts.get(k, 0))
-            for c, s in zip(self._chunks[k], self._states[k]):
-                value = np.zeros(s.layout.size, np.float32)
-                if rank0:
-                    value[0] = -1.0 if count is None else count + 1.0
-                    n = c.layout.size
+        streams = self._streams()
+        if self._keys.rank == 0:
+            values = {server: np.zeros(parts[-1].start + parts[-1].size, np.float32)
+                      for server, parts in streams.items()}
+            where = {(p.key, p.index): (server, p)
+                     for server, parts in streams.items() for p in parts}
+            for k in sorted(self._chunks):
+                arrays = [_numpy(a).reshape(-1) for a in state_arrays(states.get(k))]
+                count = None if counts is None else int(counts.get(k, 0))
+                for c in self._chunks[k]:
+                    server, part = where[(c.pskey, 0)]
+                    values[server][part.start] = -1.0 if count is None else count + 1.0
                     for j, flat in enumerate(arrays):
-                        value[1 + j * n:1 + (j + 1) * n] = flat[c.layout.lo:c.layout.hi]
-                keys.append(s.pskey)
-                values.append(mx.nd.array(value))
-        if keys:
-            self._keys.kv.push(keys, values)
-        # every push answered, so every server took its values (a round ends when all
-        # workers have pushed), and another load's values cannot share their round
-        mx.nd.waitall()
+                        server, part = where[(c.pskey, j + 1)]
+                        values[server][part.start:part.start + part.size] = \
+                            flat[c.layout.lo:c.layout.hi]
+        else:
+            values = {}     # (the others push zeros: the servers' sums are rank 0's)
+        self._push_stream(streams, values)
+
+    def _streams(self):
+        """Server index -> its state stream (kvstore.server.state_stream) of this
+        route's 'update' keys, as the servers lay it out."""
+        entries = {}
+        for k in self._chunks:
+            arrays = len(state_arrays(self._state_form[k][0]))
+            for c in self._chunks[k]:
+                entries.setdefault(c.layout.server, []).append((c.pskey, c.layout.size,
+                                                                arrays))
+        return {server: state_stream(sorted(e)) for server, e in sorted(entries.items())}
+
+    def _read_streams(self, streams):
+        """Server -> its stream of ``streams`` (float32 numpy), read a window at a time
+        through this worker's mailboxes (no other worker takes part). Before the
+        mailboxes are registered no step or load has run: every state is as the
+        optimizer makes it, and every count 0."""
+        boxes = self._keys.state_keys
+        got = {server: np.zeros(parts[-1].start + parts[-1].size, np.float32)
+               for server, parts in streams.items()}
+        if boxes is None or not boxes.registered:
+            return got
+        mine = {server: boxes.mailboxes[server][self._keys.rank] for server in got}
+        window = self._keys.layouts[mine[0]][1].size
+        outs = {server: mx.nd.zeros((window,)) for server in got}
+        for offset in range(0, max(v.size for v in got.values()), window):
+            fills = {mine[s]: offset for s, v in got.items() if offset < v.size}
+            self._keys.send_fills(fills)    # (answered once every server wrote)
+            servers = [s for s in got if mine[s] in fills]
+            self._keys.kv.pull([mine[s] for s in servers], out=[outs[s] for s in servers])
+            for server in servers:
+                values = got[server]
+                values[offset:offset + window] = outs[server].asnumpy()[:values.size - offset]
+        return got
+
+    def _push_stream(self, streams, values):
+        """Push ``values`` (server -> its stream, rank 0; empty on the others, which push
+        zeros) into the servers' 'load' keys, a window per round (collective: every
+        worker pushes every round, rounds in order)."""
+        loads = self._keys.state_keys.loads
+        window = self._keys.layouts[loads[0]][1].size - 1
+        total = max(parts[-1].start + parts[-1].size for parts in streams.values())
+        for offset in range(0, total, window):
+            keys, pushes = [], []
+            for server in sorted(loads):
+                push = np.zeros(1 + window, np.float32)
+                push[0] = offset // window + 1
+                mine = values.get(server, np.zeros(0, np.float32))[offset:offset + window]
+                push[1:1 + mine.size] = mine
+                keys.append(loads[server])
+                pushes.append(mx.nd.array(push))
+            self._keys.kv.push(keys, pushes)
+            # every push answered, so every server took this round (a round ends when
+            # all workers have pushed) before the next one's values come
+            mx.nd.waitall()
 
     def _read_states(self, data, fname):
         """(states by parameter index, optimizer or None) of the states file ``fname``

@@ -69,26 +69,25 @@ ROW_ID_BYTES = 8              # row_sparse pushes and pulls carry int64 row ids
 
 
 # kinds of key that hold the piece's float32 values as they are, flat
-FLAT_KINDS = ("dense", "probe", "update", "state")
+FLAT_KINDS = ("dense", "probe", "update", "mailbox", "load")
 
 
 @dataclass(frozen=True)
 class ChunkLayout:
     """One parameter-server key carrying a piece of one layer.
 
-    kind: the codec's wire form, 'dense' | 'rows' | 'slots' (kvstore.codec; 'probe':
+    kind: the codec's wire form, 'dense' | 'rows' | 'slots' (kvstore.codec); 'probe':
     the start-up check that a server decodes; 'update': a dense piece of a parameter
-    whose optimizer runs on the servers, kvstore.server_route; 'state': the update
-    count and optimizer state of the 'update' key ``ref``, on its server, laid out as
-    kvstore.server's module docstring says); lo, hi: the piece, in elements of the
-    flat layer for dense and slots, in filters for rows; size: elements of the piece; cols: row
-    width; rows: rows of the key; slot_rows: rows per worker's slot
-    (slots); slots: workers' slots (slots); codec: the codec of a slots chunk;
-    dense_rows: rows of the dense aggregate; server: index of the server;
-    pull: how the aggregate comes back (PULL_CODECS); pull_k: filters pulled per step
-    at most (pull='gather' of a rows chunk); push_rows: rows a
-    worker pushes per step at most (rows: its k filters that can fall in the chunk;
-    slots: its slot); ref: the ps key a 'state' key describes (-1: none).
+    whose optimizer runs on the servers (kvstore.server_route); 'mailbox' and 'load':
+    windows of a server's optimizer state, read and loaded (kvstore.server).
+    lo, hi: the piece, in elements of the flat layer for dense and slots, in filters
+    for rows; size: elements of the piece; cols: row width; rows: rows of the key;
+    slot_rows: rows per worker's slot (slots); slots: workers' slots (slots); codec:
+    the codec of a slots chunk; dense_rows: rows of the dense aggregate; server: index
+    of the server; pull: how the aggregate comes back (PULL_CODECS); pull_k: filters
+    pulled per step at most (pull='gather' of a rows chunk); push_rows: rows a worker
+    pushes per step at most (rows: its k filters that can fall in the chunk; slots:
+    its slot).
     """
     kind: str
     lo: int
@@ -104,7 +103,6 @@ class ChunkLayout:
     slots: int = 0
     codec: str = ""
     push_rows: int = 0
-    ref: int = -1
 
     @property
     def offset(self):

@@ -160,71 +160,125 @@ def _same(got, want, steps, exact=True):
                                            err_msg=key)
 
 
-def _server(optimizer, n=6):
-    """A kvstore.server.ServerState (this process's, not a server's) with one 'update'
-    key 5 of ``n`` elements and its 'state' key 6, running ``optimizer``; its stored
-    arrays: (weight (n,), state (1 + arrays * n,))."""
+WINDOW = 4      # elements of the in-process tests' mailbox and load windows
+
+
+def _server(optimizer):
+    """A kvstore.server.ServerState (this process's, not a server's) running
+    ``optimizer`` on 'update' keys 5 (6 elements) and 7 (3) of server 0 and 9 (2) of
+    server 1, with server 0's mailbox key 20 and load key 21 (windows of WINDOW
+    elements); and {key: its stored array}."""
     import mxnet as mx
-    from mxhylo.kvstore.server import RouteOptimizer, ServerState, state_arrays
+    from mxhylo.kvstore.server import RouteOptimizer, ServerState
     from mxhylo.kvstore.wire import ChunkLayout
-    arrays = len(state_arrays(optimizer.create_state(0, mx.nd.zeros((n,)))))
+    sizes = {5: 6, 7: 3, 9: 2, 20: WINDOW, 21: 1 + WINDOW}
     server = ServerState()
-    server.layouts = {5: ("w", ChunkLayout("update", 0, n, n)),
-                      6: ("w (optimizer state)", ChunkLayout("state", 0, n, 1 + arrays * n,
-                                                             ref=5))}
-    server.set_route(RouteOptimizer(optimizer, {5: (1.0, 1.0)}))
-    return server, mx.nd.zeros((n,)), mx.nd.zeros((1 + arrays * n,))
+    server.layouts = {k: ("w%d" % k, ChunkLayout("update", 0, n, n, server=int(k == 9)))
+                      for k, n in sizes.items() if k < 20}
+    server.layouts[20] = ("mailbox", ChunkLayout("mailbox", 0, WINDOW, WINDOW))
+    server.layouts[21] = ("load", ChunkLayout("load", 0, 1 + WINDOW, 1 + WINDOW))
+    server.set_route(RouteOptimizer(optimizer, {5: (1.0, 1.0), 7: (1.0, 1.0),
+                                                9: (1.0, 1.0)}))
+    return server, {k: mx.nd.zeros((n,)) for k, n in sizes.items()}
 
 
-def test_server_keeps_the_state_in_its_state_key_whatever_comes_first():
+def _read(server, stored, total):
+    """Server 0's state stream, read a mailbox window at a time as a worker does, one
+    window past its ``total`` elements."""
+    got = []
+    for offset in range(0, total + WINDOW, WINDOW):
+        server.fill_mailbox(20, offset)
+        got.append(stored[20].asnumpy())
+    return np.concatenate(got)
+
+
+def test_state_stream_windows_cover_every_element_once():
+    """kvstore.server.stream_window, on random streams and windows: the windows of a
+    stream place each of its elements once, where state_stream says it is."""
+    from mxhylo.kvstore.server import state_stream, stream_window
+    rng = np.random.RandomState(0)
+    for _ in range(50):
+        keys = sorted(rng.choice(100, rng.randint(1, 5), replace=False))
+        entries = [(int(k), int(rng.randint(1, 9)), int(rng.randint(0, 3))) for k in keys]
+        parts = state_stream(entries)
+        total = parts[-1].start + parts[-1].size
+        assert total == sum(1 + n * m for _, n, m in entries)
+        window = int(rng.randint(1, 12))
+        seen = np.zeros(total, int)
+        for lo in range(0, total, window):
+            for part, src, dst, n in stream_window(parts, lo, lo + window):
+                assert src >= 0 and src + n <= part.size and dst >= 0 and dst + n <= window
+                assert lo + dst == part.start + src
+                seen[lo + dst:lo + dst + n] += 1
+        assert (seen == 1).all()
+
+
+def test_server_state_is_read_and_loaded_a_window_at_a_time(monkeypatch):
     """The server's side (kvstore.server) in this process, with Adam (two state
-    arrays): registered before or after the first update, or loaded before the state
-    exists, the state key holds [count, mean, var] and the updates are bitwise those of
-    MXNet's own Adam on the whole weight."""
+    arrays): the updates are bitwise those of MXNet's own Adam on the whole weights;
+    read through a mailbox of 4 values, server 0's stream is [count, mean, var] of key
+    5, then of key 7 (key 9 is server 1's), zeros past its end; loaded in windows of 4,
+    before the state exists or over one, the steps go on bitwise from the loaded state
+    and counts."""
     import mxnet as mx
+    monkeypatch.setenv("DMLC_NUM_WORKER", "2")
     rng = np.random.RandomState(3)
-    w0 = rng.normal(size=6).astype(np.float32)
-    grads = [rng.normal(size=6).astype(np.float32) for _ in range(5)]
-    reference = mx.optimizer.Adam(learning_rate=0.01, wd=1e-3)
-    weight = mx.nd.array(w0)
-    state = reference.create_state(0, weight)
-    want = []           # after each step: (weight, [count, mean, var])
-    for t, g in enumerate(grads):
-        reference.update(0, weight, mx.nd.array(g), state)
-        want.append((weight.asnumpy(), np.concatenate(
-            [[t + 1.0], state[0].asnumpy(), state[1].asnumpy()]).astype(np.float32)))
+    w0 = {k: rng.normal(size=n).astype(np.float32) for k, n in ((5, 6), (7, 3), (9, 2))}
+    grads = [{k: rng.normal(size=w.size).astype(np.float32) for k, w in w0.items()}
+             for _ in range(5)]
 
     def adam():
         return mx.optimizer.Adam(learning_rate=0.01, wd=1e-3)
 
-    zeros = mx.nd.zeros((13,))
-    for register_after in (0, 2):       # before the first update, or after two
-        server, stored, store = _server(adam())
-        stored[:] = w0
-        for t, g in enumerate(grads):
-            if t == register_after:
-                server.aggregate_into(6, store, zeros)
-            server.aggregate_into(5, stored, mx.nd.array(g))
-            np.testing.assert_array_equal(stored.asnumpy(), want[t][0])
-            if t >= register_after:
-                np.testing.assert_array_equal(store.asnumpy(), want[t][1])
-    # loaded after step 2 (rank 0's values, its first value the count + 1), before the
-    # state exists, then again over an existing state: the steps go on bitwise
+    reference = adam()
+    weights = {k: mx.nd.array(w) for k, w in w0.items()}
+    states = {k: reference.create_state(k, w) for k, w in weights.items()}
+    want = []       # after each step: (weights, server 0's stream)
+    for t, g in enumerate(grads):
+        for k in (5, 7, 9):
+            reference.update(k, weights[k], mx.nd.array(g[k]), states[k])
+        stream = np.concatenate([np.concatenate([[t + 1.0], states[k][0].asnumpy(),
+                                                 states[k][1].asnumpy()]) for k in (5, 7)])
+        want.append(({k: w.asnumpy() for k, w in weights.items()}, stream))
+    total = want[0][1].size             # 1 + 2 * 6, then 1 + 2 * 3
+
+    server, stored = _server(adam())
+    for k in (5, 7, 9):
+        stored[k][:] = w0[k]
+    server.aggregate_into(20, stored[20], mx.nd.zeros((WINDOW,)))     # the register
+    assert not _read(server, stored, total).any()   # no update yet: counts 0, state 0
+    for t in range(5):
+        for k in (5, 7, 9):
+            server.aggregate_into(k, stored[k], mx.nd.array(grads[t][k]))
+            np.testing.assert_array_equal(stored[k].asnumpy(), want[t][0][k])
+        got = _read(server, stored, total)
+        np.testing.assert_array_equal(got[:total], want[t][1])
+        assert not got[total:].any()
+
+    # loaded after step 2 (rank 0's values, each count + 1; the other worker's zeros
+    # add nothing), before the state exists, then over an existing state
+    loaded = want[1][1].copy()
+    loaded[[0, 13]] += 1
     for existing in (False, True):
-        server, stored, store = _server(adam())
+        server, stored = _server(adam())
         if existing:
-            stored[:] = rng.normal(size=6).astype(np.float32)
-            server.aggregate_into(6, store, zeros)
-            server.aggregate_into(5, stored, mx.nd.array(grads[0]))
-        stored[:] = want[1][0]          # (the weights come with the parameters)
-        loaded = want[1][1].copy()
-        loaded[0] += 1
-        server.aggregate_into(6, store, mx.nd.array(loaded))
-        assert server.optimizer._index_update_count == {5: 2}
+            for k in (5, 7, 9):
+                stored[k][:] = rng.normal(size=stored[k].size).astype(np.float32)
+                server.aggregate_into(k, stored[k], mx.nd.array(grads[0][k]))
+        for k in (5, 7, 9):
+            stored[k][:] = want[1][0][k]        # (the weights come with the parameters)
+        for r, offset in enumerate(range(0, total, WINDOW)):
+            push = np.zeros(1 + WINDOW, np.float32)
+            push[0] = 2 * (r + 1)               # both workers' round + 1, summed
+            part = loaded[offset:offset + WINDOW]
+            push[1:1 + part.size] = part
+            server.aggregate_into(21, stored[21], mx.nd.array(push))
+        counts = {5: 2, 7: 2, 9: 1} if existing else {5: 2, 7: 2}
+        assert server.optimizer._index_update_count == counts
         for t in (2, 3, 4):
-            server.aggregate_into(5, stored, mx.nd.array(grads[t]))
-            np.testing.assert_array_equal(stored.asnumpy(), want[t][0])
-            np.testing.assert_array_equal(store.asnumpy(), want[t][1])
+            for k in (5, 7):
+                server.aggregate_into(k, stored[k], mx.nd.array(grads[t][k]))
+                np.testing.assert_array_equal(stored[k].asnumpy(), want[t][0][k])
 
 
 def test_states_saved_by_rank0_on_the_servers_resume_training_bitwise(tmp_path):
