@@ -107,6 +107,18 @@ def test_modes_registered():
     assert comm_worker.MODES["mxnet_2bit"].push_then_pull
     assert comm_worker.MODES["mxnet_2bit"].compression == {"type": "2bit", "threshold": 0.5}
     assert not comm_worker.MODES["dense_pushpull"].push_then_pull
+    # the float16 peers run by default, beside the other peers
+    for mode in ("dist_sync_fp16", "horovod_fp16"):
+        assert mode in comm.ALL_MODES and comm.is_peer(mode)
+        assert mode in _comm_args([]).modes.split(",")
+    assert not comm.is_peer("hylo_auto") and comm.is_peer("mxnet_2bit")
+
+
+def _comm_args(argv):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    comm.add_arguments(parser)
+    return parser.parse_args(argv)
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -196,8 +208,43 @@ def test_speedups_and_table(tmp_path):
               "machine": {"hostname": "h"}, "date": "2024-01-01T00:00:00"}
     text = "\n".join(comm.format_table(report))
     assert "0.50x" in text and "skipped" in text and "dense-pull floor" in text
+    assert "best peer (fastest non-hylo mode): dense_pushpull, 2.000" in text
     comm.write_plot(report, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_speedup_against_the_best_peer_of_the_run(tmp_path):
+    """A hylo mode's speedup is stated against the fastest non-hylo mode of the run (here
+    the float16 peer), beside the existing one over dense_pushpull."""
+    per_mode = {"dense_pushpull": {"status": "ok", "seconds": 2.0},
+                "dist_sync_fp16": {"status": "ok", "seconds": 1.25},
+                "mxnet_2bit": {"status": "failed: x"},
+                "horovod_fp16": {"status": "ok", "seconds": 1.6},
+                "hylo": {"status": "ok", "seconds": 0.5},
+                "hylo_auto": {"status": "ok", "seconds": 1.0}}
+    comm.add_speedups(per_mode, floor_s=1.0)
+    assert comm.best_peer(per_mode, "seconds") == ("dist_sync_fp16", 1.25)
+    assert per_mode["hylo"]["best_peer"] == "dist_sync_fp16"
+    assert per_mode["hylo"]["speedup_vs_best_peer"] == pytest.approx(2.5)
+    assert per_mode["hylo"]["speedup_vs_dense_pushpull"] == pytest.approx(4.0)
+    assert per_mode["hylo_auto"]["speedup_vs_best_peer"] == pytest.approx(1.25)
+    assert per_mode["dense_pushpull"]["speedup_vs_best_peer"] == pytest.approx(0.625)
+    assert "speedup_vs_best_peer" not in per_mode["mxnet_2bit"]
+    report = {"results": {"m": per_mode}, "models": {"m": {"dense_pull_floor_s": 1.0}},
+              "config": {"modes": list(per_mode), "workers": 4, "servers": 2,
+                         "rate": "1gbit", "gradients": "N(0, 0.01)"},
+              "machine": {"hostname": "h"}, "date": "2026-01-01T00:00:00"}
+    lines = comm.format_table(report)
+    assert lines[0].split()[2:6] == ["s/exch", "speedup", "vs", "peer"]
+    row = [l for l in lines if l.split()[1:2] == ["hylo"]][0].split()
+    assert row[3:5] == ["4.00x", "2.50x"]
+    best = [l for l in lines if "best peer" in l][0]
+    assert "dist_sync_fp16, 1.250 s/exch" in best and "hylo 2.50x" in best \
+        and "hylo_auto 1.25x" in best
+    comm.write_plot(report, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    alone = comm.add_speedups({"hylo": {"status": "ok", "seconds": 1.0}}, 1.0)
+    assert alone["hylo"]["speedup_vs_best_peer"] is None
 
 
 def test_job_timeout_grows_with_model():
@@ -284,7 +331,8 @@ def test_end_to_end_tiny(tmp_path):
     comm.add_arguments(parser)
     args = parser.parse_args([
         "-n", "2", "-s", "1", "--rate", "100mbit", "--models", "cifar_resnet20_v1",
-        "--image-size", "32", "--modes", "dense_pushpull,mxnet_2bit", "--steps", "3",
+        "--image-size", "32", "--modes", "dense_pushpull,mxnet_2bit,dist_sync_fp16",
+        "--steps", "3",
         "--timeout", "150", "--json", str(tmp_path / "comm.json")])
     report = comm.run(args)
     assert netns.own_namespaces("mxhcomm%d-" % os.getpid()) == []
@@ -301,6 +349,13 @@ def test_end_to_end_tiny(tmp_path):
     two = res["mxnet_2bit"]["wire"]
     assert two["push_bytes_per_step"] < 0.25 * dense["wire"]["push_bytes_per_step"]
     assert two["pull_bytes_per_step"] >= 2 * dense_bytes
+    # float16 both ways: half of dense_pushpull's bytes (plus headers)
+    half = res["dist_sync_fp16"]
+    assert half["status"] == "ok", half.get("log_tail", half["status"])
+    for way in ("push_bytes_per_step", "pull_bytes_per_step"):
+        assert dense_bytes <= half["wire"][way] < 1.2 * dense_bytes, way
+    assert report["mode_descriptions"]["dist_sync_fp16"]
+    assert half["best_peer"] in ("dense_pushpull", "mxnet_2bit", "dist_sync_fp16")
     assert (tmp_path / "comm.png").exists()
 
 

@@ -1,7 +1,8 @@
 """Horovod as a measured peer in bench comm and bench train (mxhylo.bench.horovod_jobs):
 the environment each worker gets (against horovodrun's own slot assignment), the
 children of a job, the rendezvous server, the modes and report maths; as root, one
-tiny real bench comm run with dense_pushpull, horovod_dense and hylo_horovod."""
+tiny real bench comm run with dense_pushpull, horovod_dense, horovod_fp16 and
+hylo_horovod, and one tiny bench train run with horovod_dense and horovod_fp16."""
 import argparse
 import os
 import threading
@@ -166,11 +167,70 @@ def test_wait_ready_times_out_clearly(tmp_path):
 # ----------------------------------------------------------------------------- modes
 
 def test_modes_in_both_benchmarks():
-    for mode in ("horovod_dense", "hylo_horovod"):
+    for mode in ("horovod_dense", "horovod_fp16", "hylo_horovod"):
         assert mode in comm.ALL_MODES and mode in comm_worker.MODES
         assert mode in train_worker.MODES and train_worker.MODES[mode].description
     assert train_worker.HyloHorovod.options == {"transport": "horovod"}
     assert comm_worker.HyloHorovodMode.compress_pull == "auto"
+    assert set(horovod_jobs.HOROVOD_MODES) == {"horovod_dense", "horovod_fp16",
+                                               "hylo_horovod"}
+
+
+class _FakeHvd:
+    """horovod.mxnet as the modes use it, with Horovod's own Compression; allreduce_
+    adds 1 in place (another worker's contribution) and records what it was given."""
+
+    def __init__(self):
+        from horovod.mxnet.compression import Compression
+        self.Compression = Compression
+        self.allreduced, self.trainers = [], []
+
+    def allreduce_(self, tensor, average, name, priority):
+        import numpy as np
+        self.allreduced.append((np.dtype(tensor.dtype).name, average, name, priority))
+        tensor[:] = tensor + 1
+
+    def broadcast_parameters(self, params, root_rank):
+        pass
+
+    def DistributedTrainer(self, params, optimizer, optimizer_params, **kwargs):
+        self.trainers.append(kwargs)
+        return "trainer"
+
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 2
+
+
+@needs_horovod
+def test_horovod_fp16_casts_around_the_same_allreduce(monkeypatch):
+    """horovod_fp16 is horovod_dense with hvd.Compression.fp16: bench train passes that
+    one keyword to hvd.DistributedTrainer; bench comm allreduces a float16 copy of each
+    gradient (same names, priorities, averaging) and writes it back as float32."""
+    import mxnet as mx
+    import numpy as np
+    from mxhylo.kvstore import transport_horovod
+    hvd = _FakeHvd()
+    monkeypatch.setattr(transport_horovod, "import_horovod", lambda: hvd)
+    for cls in (train_worker.HorovodDense, train_worker.HorovodFP16):
+        store, trainer = cls().trainer({}, {}, {"learning_rate": 0.1})
+        assert trainer == "trainer" and (store.rank, store.num_workers) == (0, 2)
+    assert hvd.trainers == [{}, {"compression": hvd.Compression.fp16}]
+
+    g = np.array([0.1, -2.0e-3, 3.0e-8, 60000.0], dtype=np.float32)
+    for cls in (comm_worker.HorovodDenseMode, comm_worker.HorovodFP16Mode):
+        grads = [mx.nd.array(g), mx.nd.array(g[:2])]
+        cls({}).step([3, 7], grads, None)
+        assert all(x.dtype == np.float32 for x in grads)
+        if cls is comm_worker.HorovodDenseMode:
+            np.testing.assert_array_equal(grads[0].asnumpy(), g + 1)
+        else:
+            np.testing.assert_array_equal(grads[0].asnumpy(),
+                                          (g.astype(np.float16) + 1).astype(np.float32))
+    assert hvd.allreduced == [("float32", True, "3", 0), ("float32", True, "7", -1),
+                              ("float16", True, "3", 0), ("float16", True, "7", -1)]
 
 
 def test_distributed_trainer_averages_so_it_steps_with_the_worker_batch():
@@ -221,7 +281,8 @@ def test_tiny_comm_run_with_horovod_modes(tmp_path):
     comm.add_arguments(parser)
     args = parser.parse_args([
         "-n", "2", "-s", "1", "--rate", "1gbit", "--models", "cifar_resnet20_v1",
-        "--image-size", "32", "--modes", "dense_pushpull,horovod_dense,hylo_horovod",
+        "--image-size", "32", "--modes",
+        "dense_pushpull,horovod_dense,horovod_fp16,hylo_horovod",
         "--steps", "3", "--timeout", "120", "--json", str(tmp_path / "comm.json"),
         # every layer as the policy plans it: on this tiny model the cost model's choice
         # sits near its margin and follows the machine's load; the wire is under test
@@ -230,7 +291,7 @@ def test_tiny_comm_run_with_horovod_modes(tmp_path):
     assert netns.own_namespaces("mxhcomm%d-" % os.getpid()) == []
     res = report["results"]["cifar_resnet20_v1"]
     dense_bytes = report["models"]["cifar_resnet20_v1"]["dense_bytes"]
-    for mode in ("dense_pushpull", "horovod_dense", "hylo_horovod"):
+    for mode in ("dense_pushpull", "horovod_dense", "horovod_fp16", "hylo_horovod"):
         assert res[mode]["status"] == "ok", res[mode].get("log_tail", res[mode]["status"])
         assert res[mode]["seconds"] > 0 and len(res[mode]["seconds_steps"]) == 2
     # the ring over the shaped links: with 2 workers each sends (and receives) the
@@ -242,6 +303,10 @@ def test_tiny_comm_run_with_horovod_modes(tmp_path):
     # no servers in these modes: nothing but stray link-local chatter (IPv6 neighbour
     # discovery through the bridge) reaches the servers' namespaces
     assert ring["server_rx_bytes_per_step"] < 2000
+    # horovod_fp16: the same ring moving float16, half the bytes
+    half = res["horovod_fp16"]["wire"]
+    assert dense_bytes <= half["push_bytes_per_step"] < 1.25 * dense_bytes
+    assert dense_bytes <= half["pull_bytes_per_step"] < 1.25 * dense_bytes
     hy = res["hylo_horovod"]
     assert hy["wire"]["push_bytes_per_step"] < 0.8 * ring["push_bytes_per_step"]
     assert hy["wire"]["server_rx_bytes_per_step"] < 2000
@@ -249,4 +314,31 @@ def test_tiny_comm_run_with_horovod_modes(tmp_path):
     assert any(l.get("policy") in ("conv_topk", "fc_2bit")
                for l in (stats.get("layers") or {}).values()), stats
     assert "speedup_vs_horovod_dense" in hy
+    assert hy["best_peer"] in ("dense_pushpull", "horovod_dense", "horovod_fp16")
+    assert hy["speedup_vs_best_peer"] > 0
     assert (tmp_path / "comm.png").exists()
+
+
+@needs_netns
+@needs_horovod
+def test_tiny_train_run_with_the_horovod_peers(tmp_path):
+    """bench train's Horovod peers on a tiny model: hvd.DistributedTrainer with and
+    without hvd.Compression.fp16 (float16 halves the ring's bytes)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    train.add_arguments(parser)
+    args = parser.parse_args([
+        "-n", "2", "-s", "1", "--models", "cifar_resnet20_v1", "--image-size", "16",
+        "--classes", "10", "--modes", "horovod_dense,horovod_fp16", "--steps", "1",
+        "--warmup", "1", "--stream-steps", "1", "--timeout", "120",
+        "--json", str(tmp_path / "train.json")])
+    report = train.run(args)
+    assert netns.own_namespaces("mxhcomm%d-" % os.getpid()) == []
+    per_mode = report["results"]["cifar_resnet20_v1"]
+    for mode in ("horovod_dense", "horovod_fp16"):
+        r = per_mode[mode]
+        assert r["status"] == "ok", r.get("log_tail", r["status"])
+        assert r["workers_identical"] and r["update_on_kvstore"] is False
+    dense, half = per_mode["horovod_dense"]["wire"], per_mode["horovod_fp16"]["wire"]
+    assert 0.4 < half["push_bytes_per_step"] / dense["push_bytes_per_step"] < 0.65
+    assert per_mode["horovod_fp16"]["best_peer"] in ("horovod_dense", "horovod_fp16")

@@ -28,7 +28,7 @@ def test_defaults_are_the_issue_setup():
     parsed = train.check_args(args)
     assert (args.workers, args.servers, args.rate) == (4, 2, "1gbit")
     assert parsed["models"] == ["resnet50_v1b"] and parsed["image_sizes"] == {"resnet50_v1b": 64}
-    assert parsed["modes"] == ["dist_sync", "hylo_densepull", "hylo"]
+    assert parsed["modes"] == ["dist_sync", "dist_sync_fp16", "hylo_densepull", "hylo"]
     assert args.batch_size == 8 and args.momentum == 0.9 and parsed["rate_bps"] == 1e9
     assert args.seeds == 3 and args.target == 0.95 and not args.tta
 
@@ -162,6 +162,35 @@ def test_speedups_against_dist_sync():
     assert alone["hylo"]["speedup_vs_dist_sync"] is None
 
 
+def test_speedups_against_the_best_peer(tmp_path):
+    """Step speedups are stated against the fastest non-hylo mode of the run too (the
+    table's 'vs peer' column, a best-peer line, the plot's labels)."""
+    rounds = {m: [_round(step, 0.5, step - 0.2)] for m, step in (
+        ("dist_sync", 2.4), ("dist_sync_fp16", 1.6), ("horovod_fp16", 2.0), ("hylo", 0.8))}
+    per_mode = {m: train.summarise_speed([_worker(0, r), _worker(1, r)], None, None, 1)
+                for m, r in rounds.items()}
+    per_mode["horovod_dense"] = {"status": "failed: boom"}
+    train.add_speedups(per_mode)
+    train.add_best_peer(per_mode)
+    assert per_mode["hylo"]["best_peer"] == "dist_sync_fp16"
+    assert per_mode["hylo"]["speedup_vs_best_peer"] == pytest.approx(2.0)
+    assert per_mode["hylo"]["speedup_vs_dist_sync"] == pytest.approx(3.0)
+    assert per_mode["dist_sync"]["speedup_vs_best_peer"] == pytest.approx(1.6 / 2.4)
+    assert "best_peer" not in per_mode["horovod_dense"]
+    report = {"results": {"m": per_mode},
+              "config": {"modes": list(per_mode), "image_sizes": {"m": 64},
+                         "batch_size": 8, "workers": 2, "servers": 1, "rate": "1gbit"},
+              "machine": {"cpu": "X"}, "date": "2026-01-01T00:00:00"}
+    lines = train.format_speed_table(report)
+    assert lines[0].split()[8:11] == ["speedup", "vs", "peer"]
+    row = [l for l in lines if l.split()[1:2] == ["hylo"]][0].split()
+    assert row[7:9] == ["3.00x", "2.00x"]
+    best = [l for l in lines if "best peer" in l][0]
+    assert "dist_sync_fp16, step 1.600 s" in best and "hylo 2.00x" in best
+    train.write_speed_plot(report, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
 def _history(accs, per_epoch=10.0, eval_s=1.0, steps=10):
     return [{"epoch": i + 1, "steps": steps * (i + 1), "train_s": per_epoch * (i + 1),
              "wall_s": (per_epoch + eval_s) * (i + 1), "accuracy": a}
@@ -197,9 +226,18 @@ def test_tta_summaries():
     assert s["hylo"]["time_to_target_speedup_vs_dist_sync"] == pytest.approx(25.0 / 8.0)
     assert s["dist_sync"]["final_accuracy"]["mean"] == pytest.approx(0.965)
     assert s["hylo"]["accuracy_gap_points"] == pytest.approx(100 * (0.9525 - 0.965))
+    # the best peer (only dist_sync here) and hylo's speedup over it
+    assert s["hylo"]["best_peer"] == "dist_sync"
+    assert s["hylo"]["time_to_target_speedup_vs_best_peer"] == pytest.approx(25.0 / 8.0)
     report = {"runs": runs, "summary": s}
     lines = train.format_tta_table(report)
     assert any("not hit" in l for l in lines) and any("failed: x" in l for l in lines)
+    assert any(l.startswith("hylo ") and "vs the best peer (dist_sync)" in l for l in lines)
+    runs["dist_sync_fp16"] = [train.summarise_tta_run(run(5.0, [0.9, 0.97], 0), 0.95)]
+    s = train.summarise_tta(runs)
+    assert s["hylo"]["best_peer"] == "dist_sync_fp16"
+    assert s["hylo"]["time_to_target_speedup_vs_best_peer"] == pytest.approx(10.0 / 8.0)
+    assert s["hylo"]["time_to_target_speedup_vs_dist_sync"] == pytest.approx(25.0 / 8.0)
 
 
 def test_steps_per_epoch_uses_the_smallest_part():
@@ -340,14 +378,15 @@ def test_tiny_real_run(tmp_path):
     out = tmp_path / "train.json"
     report = train.run(_args([
         "-n", "2", "-s", "1", "--models", "cifar_resnet20_v1", "--image-size", "16",
-        "--classes", "10", "--modes", "dist_sync,hylo,hylo_workers", "--steps", "1",
+        "--classes", "10", "--modes", "dist_sync,dist_sync_fp16,hylo,hylo_workers",
+        "--steps", "1",
         "--warmup", "1", "--stream-steps", "1", "--timeout", "120",
         # hylo on the servers' route (its warm-up of 30 steps never comes: the run must
         # not wait for it), hylo_workers with the update on the workers
         "--hylo-options", json.dumps({"server_update": True}), "--json", str(out)]))
     assert netns.own_namespaces("mxhcomm%d-" % os.getpid()) == []
     per_mode = report["results"]["cifar_resnet20_v1"]
-    for mode in ("dist_sync", "hylo", "hylo_workers"):
+    for mode in ("dist_sync", "dist_sync_fp16", "hylo", "hylo_workers"):
         r = per_mode[mode]
         assert r["status"] == "ok", r.get("log_tail", r["status"])
         assert r["step_s"] > 0 and r["fwd_bwd_s"] > 0 and r["exchange_s"] > 0
@@ -364,6 +403,14 @@ def test_tiny_real_run(tmp_path):
     assert hy["bytes_pushed_per_step"] < hy["dense_bytes_per_step"]
     assert per_mode["dist_sync"]["store_warmup_steps_run"] == 0
     assert per_mode["dist_sync"]["speedup_vs_dist_sync"] == pytest.approx(1.0)
+    # dist_sync_fp16: float16 gradients both ways, half of dist_sync's bytes (which
+    # pushes float32 gradients and pulls float32 weights), the update on the workers
+    half, dense = per_mode["dist_sync_fp16"], per_mode["dist_sync"]
+    assert half["update_on_kvstore"] is False
+    for way in ("push_bytes_per_step", "pull_bytes_per_step"):
+        assert 0.4 < half["wire"][way] / dense["wire"][way] < 0.6, way
+    assert report["mode_descriptions"]["dist_sync_fp16"]
+    assert per_mode["hylo"]["best_peer"] in ("dist_sync", "dist_sync_fp16")
     assert (tmp_path / "train.png").exists()
     assert report["machine"]["cpu_features"] is not None
 

@@ -55,6 +55,24 @@ def test_sweep_table_and_checks():
     assert any("BELOW the bar" in line for line in lines)
 
 
+def test_sweep_states_hylo_against_the_best_peer_of_each_rate():
+    per_rate = {
+        "1gbit": _rate_report({"m": {"dense_pushpull": 4.0, "dist_sync_fp16": 2.5,
+                                     "hylo_auto": 1.0}}),
+        "none": _rate_report({"m": {"dense_pushpull": 1.0, "dist_sync_fp16": 1.25,
+                                    "hylo_auto": 1.0}})}
+    for rep in per_rate.values():
+        rep.update(date="2026-01-01T00:00:00", machine={},
+                   config={"workers": 4, "servers": 2, "rate": None})
+    report = sweep.sweep_report("comm", ["1gbit", "none"], per_rate, comm.BASELINE,
+                                comm.AUTO_MODE)
+    assert report["sweep_vs_best_peer"]["m"]["hylo_auto"] == {"1gbit": 2.5, "none": 1.0}
+    assert report["sweep"]["m"]["hylo_auto"] == {"1gbit": 4.0, "none": 1.0}
+    lines = sweep.format_sweep(report)
+    at = lines.index("speedup over the best peer of each run (fastest non-hylo mode):")
+    assert lines[at + 1].split() == ["m", "hylo_auto", "2.50x", "1.00x"]
+
+
 def test_failed_mode_is_a_gap_not_a_number():
     report = _sweep({"1gbit": _rate_report({"m": {"dense_pushpull": 2.0,
                                                   "hylo_auto": 1.0}})})

@@ -15,13 +15,20 @@ step's gradients --warmup + --steps times; the report gives per model and mode:
 * hylo's own counters (kv.stats(): bytes pushed/pulled, per layer, timing if any);
 * the dense-pull floor, (dense model bytes * W / S) / rate: the time the servers'
   links need to send every worker its pull of a dense model;
-* the speedup of each mode over dense_pushpull.
+* the speedup of each mode over dense_pushpull, and over the best peer of the run: the
+  fastest mode not named hylo* (what a user would run instead of mxhylo).
+
+Peers moving float16 (half the dense bytes; compute stays float32 in training):
+dist_sync_fp16 (MXNet's dist_sync with each gradient cast to float16 around the store's
+pushpull, mxhylo.bench.fp16.DistSyncFP16Store) and horovod_fp16 (horovod_dense's
+exchange with hvd.Compression.fp16).
 
 Horovod modes (horovod_dense: hvd.DistributedTrainer's exchange, per-gradient
-allreduce fused by Horovod; hylo_horovod: mxhylo.create('dist_sync_hylo',
-transport='horovod')) run W processes, one per worker namespace, with horovodrun's
-Gloo environment and no servers (mxhylo.bench.horovod_jobs); the same links, counters
-and report fields. Their floor is the ring's: 2 (W - 1) / W * dense bytes / rate.
+allreduce fused by Horovod; horovod_fp16: the same in float16; hylo_horovod:
+mxhylo.create('dist_sync_hylo', transport='horovod')) run W processes, one per worker
+namespace, with horovodrun's Gloo environment and no servers
+(mxhylo.bench.horovod_jobs); the same links, counters and report fields. Their floor
+is the ring's: 2 (W - 1) / W * dense bytes / rate.
 
 Gradients are synthetic, N(0, --grad-scale) with 0.01 by default: a realistic scale
 (N(0, 1) is the worst case of threshold codecs such as MXNet's 2-bit). Needs root
@@ -44,12 +51,12 @@ import sys
 import tempfile
 import time
 
-from . import netns, plot_path, sweep
+from . import comm_worker, netns, plot_path, sweep
 from .horovod_jobs import HOROVOD_MODES, horovod_available
 from .jobs import JobError, _Interrupted, clean_env, run_job
 
-ALL_MODES = ("dense_pushpull", "dense_push_pull", "mxnet_2bit", "hylo", "hylo_gather",
-             "hylo_auto") + HOROVOD_MODES
+ALL_MODES = ("dense_pushpull", "dist_sync_fp16", "dense_push_pull", "mxnet_2bit", "hylo",
+             "hylo_gather", "hylo_auto") + HOROVOD_MODES
 HYLO_MODES = ("hylo", "hylo_gather", "hylo_auto")
 DEFAULT_MODELS = ("resnet50_v1b", "vgg16", "alexnet")
 BASELINE = "dense_pushpull"
@@ -280,15 +287,36 @@ def summarise_job(worker_results, before, after, steps):
 HOROVOD_BASELINE = "horovod_dense"
 
 
+def is_peer(mode):
+    """Whether ``mode`` is a peer: a way to train that a user would pick instead of
+    mxhylo (every mode not named hylo*)."""
+    return not mode.startswith("hylo")
+
+
+def best_peer(per_mode, key):
+    """(mode, value) of the peer with the smallest ``key`` (seconds) among the modes of
+    ``per_mode`` that ran, or (None, None)."""
+    ran = [(res[key], mode) for mode, res in per_mode.items()
+           if is_peer(mode) and res.get("status", "ok") == "ok" and res.get(key)]
+    if not ran:
+        return None, None
+    value, mode = min(ran)
+    return mode, value
+
+
 def add_speedups(results, floor_s):
-    """speedup = baseline seconds / mode seconds; also seconds / dense-pull floor; and,
-    when horovod_dense ran, speedup_vs_horovod_dense."""
+    """speedup = baseline seconds / mode seconds; also seconds / dense-pull floor;
+    speedup_vs_best_peer against the fastest peer of the same run (its name in
+    best_peer); and, when horovod_dense ran, speedup_vs_horovod_dense."""
     base = results.get(BASELINE, {}).get("seconds")
     hvd = results.get(HOROVOD_BASELINE, {}).get("seconds")
+    peer, peer_s = best_peer(results, "seconds")
     for res in results.values():
         if res.get("seconds"):
             res["speedup_vs_" + BASELINE] = (base / res["seconds"]) if base else None
             res["x_dense_pull_floor"] = res["seconds"] / floor_s if floor_s else None
+            res["best_peer"] = peer
+            res["speedup_vs_best_peer"] = (peer_s / res["seconds"]) if peer_s else None
             if HOROVOD_BASELINE in results:
                 res["speedup_vs_" + HOROVOD_BASELINE] = (hvd / res["seconds"]) if hvd \
                     else None
@@ -302,9 +330,16 @@ def job_timeout(summary, num_workers, steps, warmup):
                              + num_workers * summary["dense_bytes"] / _CPU_BYTES_PER_S)
 
 
+def _x(value):
+    return "%.2fx" % value if value else "-"
+
+
 def format_table(report):
-    lines = ["%-14s %-16s %9s %8s %11s %11s %11s" % ("model", "mode", "s/exch", "speedup",
-                                                      "push MB/st", "pull MB/st", "hylo MB/st")]
+    """Per model and mode: seconds per exchange, speedup over dense_pushpull ('speedup')
+    and over the run's best peer ('vs peer'), bytes on the wire; then the best peer."""
+    lines = ["%-14s %-16s %9s %8s %8s %11s %11s %11s" % (
+        "model", "mode", "s/exch", "speedup", "vs peer", "push MB/st", "pull MB/st",
+        "hylo MB/st")]
     for model, per_mode in report["results"].items():
         floor = report["models"][model]["dense_pull_floor_s"]
         for mode, res in per_mode.items():
@@ -315,13 +350,19 @@ def format_table(report):
             hy = res.get("hylo", {})
             hylo_mb = ((hy.get("bytes_pushed_per_step", 0) + hy.get("bytes_pulled_per_step", 0))
                        / 1e6 if "bytes_pushed_per_step" in hy else None)
-            lines.append("%-14s %-16s %9.3f %8s %11.1f %11.1f %11s" % (
-                model, mode, res["seconds"],
-                "%.2fx" % res["speedup_vs_" + BASELINE]
-                if res.get("speedup_vs_" + BASELINE) else "-",
+            lines.append("%-14s %-16s %9.3f %8s %8s %11.1f %11.1f %11s" % (
+                model, mode, res["seconds"], _x(res.get("speedup_vs_" + BASELINE)),
+                _x(res.get("speedup_vs_best_peer")),
                 wire.get("push_bytes_per_step", 0) / 1e6,
                 wire.get("pull_bytes_per_step", 0) / 1e6,
                 "%.1f" % hylo_mb if hylo_mb is not None else "-"))
+        peer, peer_s = best_peer(per_mode, "seconds")
+        if peer:
+            vs = [(mode, res.get("speedup_vs_best_peer")) for mode, res in per_mode.items()
+                  if not is_peer(mode) and res.get("status") == "ok"]
+            lines.append("%-14s best peer (fastest non-hylo mode): %s, %.3f s/exch%s" % (
+                model, peer, peer_s, "; speedup vs it: " + ", ".join(
+                    "%s %s" % (mode, _x(x)) for mode, x in vs) if vs else ""))
         vs = [(mode, res.get("speedup_vs_" + HOROVOD_BASELINE)) for mode, res in
               per_mode.items() if mode != HOROVOD_BASELINE]
         vs = [(mode, x) for mode, x in vs if x]
@@ -478,6 +519,12 @@ def write_plot(report, path):
             pull.append(wire.get("pull_bytes_per_step", 0) / 1e6)
         c = colors[j % len(colors)]
         axes[0].bar(xs, secs, width, label=mode, color=c)
+        if not is_peer(mode):
+            for x, y, m in zip(xs, secs, models):
+                sp = report["results"][m].get(mode, {}).get("speedup_vs_best_peer")
+                if sp and y:
+                    axes[0].annotate("%.2fx" % sp, (x, y), ha="center", va="bottom",
+                                     fontsize=7, xytext=(0, 2), textcoords="offset points")
         axes[1].bar(xs, push, width, color=c, label=mode + " push")
         axes[1].bar(xs, pull, width, bottom=push, color=c, alpha=0.45, hatch="//",
                     label=mode + " pull")
@@ -493,7 +540,7 @@ def write_plot(report, path):
     for ax in axes:
         ax.set_xticks(range(len(models)))
         ax.set_xticklabels(models)
-    axes[0].set_ylabel("seconds per exchange (median)")
+    axes[0].set_ylabel("seconds per exchange (median); hylo labels: x best peer")
     axes[0].legend(fontsize=8)
     axes[1].set_ylabel("MB on the wire per step (workers' tx push + rx pull)")
     axes[1].legend(fontsize=7, ncol=2)
@@ -608,6 +655,7 @@ def run_rate(args, rate, shapes=None, plot=None):
                    "grad_scale": args.grad_scale, "image_size": args.image_size,
                    "models": models, "modes": modes, "hylo_options": hylo_options,
                    "seed": args.seed},
+        "mode_descriptions": {m: comm_worker.describe(m) for m in modes},
         "models": summaries,
         "notes": notes + [
             "gradients are synthetic, drawn once per worker from N(0, %g) (a realistic "
@@ -619,6 +667,8 @@ def run_rate(args, rate, shapes=None, plot=None):
             "wire bytes: interface counters (L2 frames incl. TCP/IP/Ethernet headers) "
             "read before/after the timed exchanges; push = workers' tx, pull = workers' rx",
             "dense-pull floor = dense model bytes * W / S / rate",
+            "speedup_vs_best_peer: the fastest peer's seconds (the fastest mode not named "
+            "hylo* that ran for the model in this run, named in best_peer) over the mode's",
             "every link shaped with tc tbf at the rate in both directions (star through a "
             "bridge in a hub namespace)",
             "%d processes (scheduler, %d servers, %d workers) share this machine's %s CPU "

@@ -4,7 +4,7 @@
 
 The process is an MXNet parameter-server worker (DMLC_ROLE=worker and the other DMLC_*
 variables come from the harness), or in the Horovod modes (horovod_dense,
-hylo_horovod) one of W Horovod processes with horovodrun's Gloo variables
+horovod_fp16, hylo_horovod) one of W Horovod processes with horovodrun's Gloo variables
 (mxhylo.bench.horovod_jobs). It builds one model's parameter and gradient arrays
 from the shapes in the config (gradients N(0, grad_scale), drawn once, seeded by
 the worker index; see synthetic_gradients), initialises the store the way Gluon's Trainer would, then times
@@ -124,6 +124,18 @@ class MXNet2Bit(DenseMode):
     compression = {"type": "2bit", "threshold": 0.5}
 
 
+class DistSyncFP16Mode(DenseMode):
+    """dist_sync_fp16: MXNet dist_sync moving float16 gradients
+    (mxhylo.bench.fp16.DistSyncFP16Store over one native dist_sync store), called as
+    dense_pushpull calls its store (per step, per key, priority -key): each float32
+    gradient cast to float16, pushpulled, the float16 sum cast back into the float32
+    output. Init: the float32 keys and their float16 twins, no pull (as dense_pushpull)."""
+
+    def __init__(self, cfg):
+        from .fp16 import DistSyncFP16Store
+        self.kv = DistSyncFP16Store()
+
+
 class HyloMode:
     """hylo: ``mxhylo.create('dist_sync_hylo', compress_pull=False, **options)`` (Hylo
     as published: compressed push, dense pull); broadcast at init, one
@@ -178,6 +190,8 @@ class HorovodDenseMode:
     background thread fuses into ring allreduces (tensor fusion). Init: rank 0's
     parameters broadcast, as hvd.broadcast_parameters. W processes, no servers."""
 
+    compression = None      # the name of an hvd.Compression member, None: none
+
     def __init__(self, cfg):
         from mxhylo.kvstore.transport_horovod import import_horovod
         self.hvd = import_horovod()         # initialised; a clear error if missing
@@ -188,6 +202,14 @@ class HorovodDenseMode:
 
     def step(self, keys, grads, outs):
         # (in place in the gradients, as DistributedTrainer; ``outs`` stay unused)
+        if self.compression:
+            compressor = getattr(self.hvd.Compression, self.compression)
+            for i, (k, g) in enumerate(zip(keys, grads)):
+                # as DistributedTrainer._allreduce_grads with a compression
+                c, ctx = compressor.compress(g)
+                self.hvd.allreduce_(c, average=True, name=str(k), priority=-i)
+                g[:] = compressor.decompress(c, ctx)
+            return
         for i, (k, g) in enumerate(zip(keys, grads)):
             self.hvd.allreduce_(g, average=True, name=str(k), priority=-i)
 
@@ -197,6 +219,15 @@ class HorovodDenseMode:
 
     def stats(self):
         return None
+
+
+class HorovodFP16Mode(HorovodDenseMode):
+    """horovod_fp16: horovod_dense's exchange with hvd.Compression.fp16 applied as
+    hvd.DistributedTrainer(compression=hvd.Compression.fp16) applies it: per gradient,
+    ``Compression.fp16.compress`` (a float16 copy), the same in-place
+    ``hvd.allreduce_`` of that copy, then ``decompress`` written back into the float32
+    gradient. W processes, no servers."""
+    compression = "fp16"
 
 
 class HyloHorovodMode(HyloMode):
@@ -218,13 +249,20 @@ class HyloHorovodMode(HyloMode):
 MODES = {
     "hylo_auto": HyloAutoMode,
     "dense_pushpull": DensePushPull,
+    "dist_sync_fp16": DistSyncFP16Mode,
     "dense_push_pull": DensePushThenPull,
     "mxnet_2bit": MXNet2Bit,
     "hylo": HyloMode,
     "hylo_gather": HyloGatherMode,
     "horovod_dense": HorovodDenseMode,
+    "horovod_fp16": HorovodFP16Mode,
     "hylo_horovod": HyloHorovodMode,
 }
+
+
+def describe(mode):
+    """What mode ``mode`` runs, in one paragraph (its class's docstring)."""
+    return " ".join((MODES[mode].__doc__ or "").split())
 
 
 # ----------------------------------------------------------------------------- main

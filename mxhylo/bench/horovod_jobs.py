@@ -36,7 +36,7 @@ import os
 import sys
 import time
 
-HOROVOD_MODES = ("horovod_dense", "hylo_horovod")
+HOROVOD_MODES = ("horovod_dense", "horovod_fp16", "hylo_horovod")
 IFACE = "eth0"                      # mxhylo.bench.netns.DEV
 READY_FILE = "rendezvous.ready"
 RENDEZVOUS_PORT_OFFSET = 1000       # rendezvous port = the job's ps-lite port + this

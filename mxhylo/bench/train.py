@@ -25,6 +25,9 @@ step), with min and max:
 * bytes on the wire per exchange from the interface counters (push = workers' tx,
   pull = workers' rx), hylo's own kv.stats() counts and per-phase timing;
 * ``speedup_vs_dist_sync``: dist_sync's step time over the mode's, same run;
+* ``speedup_vs_best_peer``: the best peer's step time over the mode's, same run: the
+  fastest mode not named hylo* (dist_sync, dist_sync_fp16, horovod_dense, ...: what a
+  user would run instead of mxhylo), named in ``best_peer``;
 * whether the workers end with bitwise identical trainable parameters (SHA-256).
 
 Time to accuracy (``--tta``): every mode and seed trains ``--tta-model`` (default
@@ -35,7 +38,13 @@ conv_topk, hold almost all of its bytes) on scikit-learn's digits packed as .rec
 set after every epoch. Reported per mode and seed: training seconds (evaluation
 excluded; wall seconds with it too), epochs and steps to the first evaluation at or
 above ``--target``, the final accuracy, the accuracy curve against time (PNG), and
-whether the workers end bitwise identical.
+whether the workers end bitwise identical; time-to-target speedups over dist_sync and
+over the best peer (the fastest non-hylo mode to the target).
+
+The float16 peers move half of dist_sync's bytes while forward, backward, weights and
+the update stay float32: dist_sync_fp16 (MXNet's dist_sync with each gradient cast to
+float16 around the store's pushpull, mxhylo.bench.fp16.DistSyncFP16Store, update on the
+workers) and horovod_fp16 (hvd.DistributedTrainer with hvd.Compression.fp16).
 
 Needs root (namespaces); says so and exits non-zero otherwise. Everything created
 (processes, namespaces, temporary files) is removed at the end, on error and on
@@ -52,7 +61,7 @@ import tempfile
 import time
 
 from . import netns, plot_path, sweep
-from .comm import (ShapedRun, hylo_available, hylo_summary,
+from .comm import (ShapedRun, best_peer, hylo_available, hylo_summary, is_peer,
                    machine_info, model_summary, parse_hylo_options, parse_list, role_names,
                    shapes_in_subprocess, wire_summary)
 from .horovod_jobs import HOROVOD_MODES, horovod_available
@@ -62,7 +71,7 @@ from .. import launch
 
 WORKER = "mxhylo.bench.train_worker"
 
-DEFAULT_MODES = ("dist_sync", "hylo_densepull", "hylo")
+DEFAULT_MODES = ("dist_sync", "dist_sync_fp16", "hylo_densepull", "hylo")
 HYLO_MODES = ("hylo_densepull", "hylo", "hylo_nooverlap", "hylo_workers")
 BASELINE = "dist_sync"
 PS_PORT = 9091
@@ -85,16 +94,21 @@ def add_arguments(parser):
                         help="comma-separated modes of %s (default %s): dist_sync = MXNet's "
                              "dense store with gluon.Trainer's defaults; "
                              "dist_sync_workerupdate = the same with update_on_kvstore="
-                             "False; hylo_densepull = mxhylo.create('dist_sync_hylo', "
-                             "compress_pull=False); hylo = mxhylo.create('dist_sync_hylo'); "
+                             "False; dist_sync_fp16 = the same moving float16 gradients "
+                             "(cast around the store's pushpull; compute, weights and "
+                             "update float32 on the workers); hylo_densepull = "
+                             "mxhylo.create('dist_sync_hylo', compress_pull=False); "
+                             "hylo = mxhylo.create('dist_sync_hylo'); "
                              "hylo_nooverlap = the same, the exchange after backward "
                              "(mxhylo.kvstore.hylo.OVERLAP = False); "
                              "hylo_workers = the same with server_update=False (hylo's "
                              "exchange even where the servers' route would be chosen); "
                              "horovod_dense = hvd.DistributedTrainer (Horovod's dense ring "
-                             "allreduce); hylo_horovod = mxhylo.create('dist_sync_hylo', "
-                             "transport='horovod'). The Horovod modes run W processes, one "
-                             "per worker namespace, and no servers"
+                             "allreduce); horovod_fp16 = the same with compression="
+                             "hvd.Compression.fp16; hylo_horovod = "
+                             "mxhylo.create('dist_sync_hylo', transport='horovod'). The "
+                             "Horovod modes run W processes, one per worker namespace, "
+                             "and no servers"
                              % (", ".join(MODES), ",".join(DEFAULT_MODES)))
     parser.add_argument("--hylo-options", default="{}",
                         help="JSON dict of extra options for mxhylo.create in the hylo "
@@ -324,6 +338,20 @@ def add_speedups(per_mode, baseline=BASELINE):
     return per_mode
 
 
+def add_best_peer(per_mode):
+    """speedup_vs_best_peer = the best peer's step seconds / the mode's, for every mode
+    that ran; the best peer (named in best_peer) is the fastest mode of the same run not
+    named hylo* (comm.is_peer)."""
+    peer, peer_s = best_peer(per_mode, "step_s")
+    for res in per_mode.values():
+        if res.get("status") != "ok":
+            continue
+        res["best_peer"] = peer
+        step = res.get("step_s")
+        res["speedup_vs_best_peer"] = (peer_s / step) if (peer_s and step) else None
+    return per_mode
+
+
 def time_to_target(history, target):
     """The first evaluation at or above ``target``: {train_s, wall_s, epochs, steps,
     accuracy}, or None when none reached it."""
@@ -382,6 +410,9 @@ def summarise_tta(runs, baseline=BASELINE):
             s["final_accuracy"]["mean"], s["final_accuracy"]["sd"] = finals[0], 0.0
         out[mode] = s
     base = out.get(baseline)
+    peers = {m: s["time_to_target_s"]["median"] for m, s in out.items()
+             if is_peer(m) and s["time_to_target_s"]}
+    peer = min(peers, key=peers.get) if peers else None
     for mode, s in out.items():
         if base and base["final_accuracy"] and s["final_accuracy"]:
             s["accuracy_gap_points"] = 100.0 * (s["final_accuracy"]["mean"]
@@ -389,6 +420,10 @@ def summarise_tta(runs, baseline=BASELINE):
         if base and base["time_to_target_s"] and s["time_to_target_s"]:
             s["time_to_target_speedup_vs_" + baseline] = (
                 base["time_to_target_s"]["median"] / s["time_to_target_s"]["median"])
+        s["best_peer"] = peer        # the peer fastest to the target (median over seeds)
+        if peer and s["time_to_target_s"]:
+            s["time_to_target_speedup_vs_best_peer"] = (
+                peers[peer] / s["time_to_target_s"]["median"])
     return out
 
 
@@ -411,9 +446,12 @@ def _mb(x):
 
 
 def format_speed_table(report):
-    lines = ["%-13s %-15s %14s %7s %7s %7s %8s %7s %9s %9s %5s %6s" % (
+    """Per model and mode: step, compute, exchange and overlap seconds, the step speedup
+    over dist_sync ('speedup') and over the run's best peer ('vs peer'), stream steps,
+    bytes per exchange, identical workers, memory; then the best peer."""
+    lines = ["%-13s %-15s %14s %7s %7s %7s %8s %8s %7s %9s %9s %5s %6s" % (
         "model", "mode", "step s (range)", "fwd+bwd", "exch", "overlap", "speedup",
-        "stream", "push MB/x", "pull MB/x", "same", "RSS GB")]
+        "vs peer", "stream", "push MB/x", "pull MB/x", "same", "RSS GB")]
     for model in _ordered_models(report):
         per_mode = report["results"][model]
         for mode in _ordered(report, per_mode):
@@ -423,11 +461,13 @@ def format_speed_table(report):
                 continue
             wire = r.get("wire", {})
             sp = r.get("speedup_vs_" + BASELINE)
+            vp = r.get("speedup_vs_best_peer")
             rss = r.get("worker_peak_rss_bytes")
-            lines.append("%-13s %-15s %5.3f %-8s %7.3f %7.3f %7.3f %8s %7s %9s %9s %5s %6s" % (
+            lines.append("%-13s %-15s %5.3f %-8s %7.3f %7.3f %7.3f %8s %8s %7s %9s %9s %5s "
+                         "%6s" % (
                 model, mode, r["step_s"], "(%.2f-%.2f)" % (r["step"]["min"], r["step"]["max"]),
                 r["fwd_bwd_s"], r["exchange_s"], r["overlap_s"],
-                "%.2fx" % sp if sp else "-",
+                "%.2fx" % sp if sp else "-", "%.2fx" % vp if vp else "-",
                 "%.3f" % r["stream_step_s"] if r.get("stream_step_s") else "-",
                 _mb(wire.get("push_bytes_per_step")), _mb(wire.get("pull_bytes_per_step")),
                 "yes" if r.get("workers_identical") else "NO",
@@ -438,6 +478,15 @@ def format_speed_table(report):
         if vs:
             lines.append("%-13s step speedup vs horovod_dense: %s" % (
                 model, ", ".join("%s %.2fx" % v for v in vs)))
+        peer, peer_s = best_peer(per_mode, "step_s")
+        if peer:
+            vs = [(mode, per_mode[mode].get("speedup_vs_best_peer"))
+                  for mode in _ordered(report, per_mode)
+                  if not is_peer(mode) and per_mode[mode].get("status") == "ok"]
+            lines.append("%-13s best peer (fastest non-hylo mode): %s, step %.3f s%s" % (
+                model, peer, peer_s, "; step speedup vs it: " + ", ".join(
+                    "%s %s" % (mode, "%.2fx" % x if x else "-") for mode, x in vs)
+                if vs else ""))
     return lines
 
 
@@ -467,6 +516,9 @@ def format_tta_table(report):
                          if "accuracy_gap_points" in s else "",
                          ", %.2fx faster to target" % s["time_to_target_speedup_vs_" + BASELINE]
                          if s.get("time_to_target_speedup_vs_" + BASELINE) else ""))
+        if s.get("time_to_target_speedup_vs_best_peer") and not is_peer(mode):
+            lines[-1] += ", %.2fx vs the best peer (%s)" % (
+                s["time_to_target_speedup_vs_best_peer"], s["best_peer"])
     return lines
 
 
@@ -504,8 +556,12 @@ def write_speed_plot(report, path):
                 ax.text(i, 0, (r.get("status") or "").split(":")[0], ha="center",
                         va="bottom", fontsize=8, color="tab:red")
             sp = r.get("speedup_vs_" + BASELINE) if r.get("status") == "ok" else None
+            vp = r.get("speedup_vs_best_peer") if r.get("status") == "ok" else None
             if sp:
-                ax.annotate("%.2fx" % sp, (i - width, r["step_s"]), ha="center",
+                label = "%.2fx" % sp
+                if vp and not is_peer(mode):
+                    label += "\n%.2fx peer" % vp
+                ax.annotate(label, (i - width, r["step_s"]), ha="center",
                             va="bottom", fontsize=8, xytext=(0, 3),
                             textcoords="offset points")
         ax.set_xticks(range(len(modes)))
@@ -516,10 +572,11 @@ def write_speed_plot(report, path):
         ax.set_ylabel("seconds (median of slowest worker; bars: min-max)")
     axes[0][0].legend(fontsize=8)
     cfg = report["config"]
-    fig.suptitle("bench train: %d workers + %d servers, %s links; speedup = dist_sync step "
-                 "/ mode step\n%s, %s" % (cfg["workers"], cfg["servers"], cfg["rate"],
-                                         report["machine"].get("cpu", ""),
-                                         report["date"][:16]), fontsize=9)
+    fig.suptitle("bench train: %d workers + %d servers, %s links\nspeedup = dist_sync step "
+                 "/ mode step; 'peer' = the best peer's step (fastest non-hylo mode) / mode "
+                 "step\n%s, %s" % (cfg["workers"], cfg["servers"], cfg["rate"],
+                                   report["machine"].get("cpu", ""),
+                                   report["date"][:16]), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -732,6 +789,8 @@ def _run_speed(args, parsed, common, report, topo, tmp, skipped):
         "backward + waitall, no exchange running; exchange = trainer.step + waitall on "
         "gradients already computed (same job; every step is a real update)",
         "overlap_s = fwd_bwd + exchange - step",
+        "speedup_vs_best_peer: the best peer's step seconds (the fastest mode not named "
+        "hylo* that ran for the model in this run, named in best_peer) over the mode's",
         "a store with a dense warm-up (hylo's warmup_steps) first runs untimed steps past "
         "it (store_warmup_steps_run): the steady state is measured",
         "stream_step_s: %d back-to-back steps with one wait at the end, per step"
@@ -790,6 +849,7 @@ def _run_speed(args, parsed, common, report, topo, tmp, skipped):
                 _log("  FAILED: %s\n%s" % (err, err.log_tail[-1500:]))
             port += 1
         add_speedups(per_mode)
+        add_best_peer(per_mode)
         if "horovod_dense" in per_mode:
             add_speedups(per_mode, "horovod_dense")
     report["table"] = format_speed_table(report)
@@ -824,6 +884,8 @@ def _run_tta(args, parsed, common, report, topo, tmp, skipped):
         "final accuracy: rank 0's after the last epoch (BatchNorm running statistics are "
         "each worker's own; trainable parameters must be identical: workers_identical)",
         "modes interleaved within each seed; one parameter-server job per run",
+        "time_to_target_speedup_vs_best_peer: against the peer (mode not named hylo*) "
+        "with the shortest median time to target, named in best_peer",
         "model summary computed with a 1000-class head (bytes nearly the same)",
     ]
     report["model_summary"] = summary

@@ -3,9 +3,10 @@
     python -m mxhylo.bench.train_worker --config JOB.json --index I --out RESULT.json
 
 The process is an MXNet parameter-server worker (the DMLC_* variables come from the
-harness), or in the Horovod modes (horovod_dense, hylo_horovod) one of W Horovod
-processes with horovodrun's Gloo variables (mxhylo.bench.horovod_jobs). It trains a gluoncv model with ``gluon.Trainer`` (SGD, momentum) through the
-kvstore of its mode (:data:`MODES`) and writes what it measured as JSON. Two tasks:
+harness), or in the Horovod modes (horovod_dense, horovod_fp16, hylo_horovod) one of W
+Horovod processes with horovodrun's Gloo variables (mxhylo.bench.horovod_jobs). It
+trains a gluoncv model with ``gluon.Trainer`` (SGD, momentum) through the kvstore of its
+mode (:data:`MODES`) and writes what it measured as JSON. Two tasks:
 
 ``speed`` (``config['task']``): synthetic batches (one fixed random batch per worker),
 untimed full steps until the store is past its own dense warm-up (hylo's
@@ -92,6 +93,24 @@ class DistSyncWorkerUpdate(Mode):
         return mx.kv.create("dist_sync"), False
 
 
+class DistSyncFP16(Mode):
+    """dist_sync moving float16 gradients, compute in float32: the store a careful MXNet
+    user builds to halve dist_sync's bytes (mxhylo.bench.fp16.DistSyncFP16Store, one
+    native dist_sync store under Gluon's own per-key pushpull loop). The update runs on
+    the workers in float32, as hylo's does: on the servers it would keep float16
+    weights."""
+    description = ("MXNet dist_sync moving float16 gradients (mxhylo.bench.fp16."
+                   "DistSyncFP16Store: each gradient cast to float16, pushpulled through "
+                   "one native dist_sync store, the servers' float16 sum cast back into "
+                   "the float32 gradient); forward, backward, weights and the SGD update "
+                   "in float32 on the workers (update_on_kvstore=False); parameters "
+                   "broadcast in float32")
+
+    def kvstore(self, cfg):
+        from .fp16 import DistSyncFP16Store
+        return DistSyncFP16Store(), False
+
+
 class HyloMode(Mode):
     options = {}
     description = "mxhylo.create('dist_sync_hylo') with its default options"
@@ -138,15 +157,32 @@ class HorovodStore:
 class HorovodDense(Mode):
     """Horovod's dense ring allreduce: hvd.broadcast_parameters then
     hvd.DistributedTrainer (its defaults: per-gradient allreduce, averaged, fused by
-    Horovod; the update on the workers), what a Horovod user runs today."""
+    Horovod; the update on the workers), what a Horovod user runs today.
+    ``compression``: the name of an hvd.Compression member passed to the trainer
+    (None: Horovod's default, no keyword)."""
     description = ("hvd.DistributedTrainer, dense ring allreduce (Gloo), update on the "
                    "workers; W processes, no servers")
+    compression = None
 
     def trainer(self, cfg, params, optimizer_params):
         from mxhylo.kvstore.transport_horovod import import_horovod
         hvd = import_horovod()
         hvd.broadcast_parameters(params, root_rank=0)
-        return HorovodStore(hvd), hvd.DistributedTrainer(params, "sgd", optimizer_params)
+        kwargs = {}
+        if self.compression:
+            kwargs["compression"] = getattr(hvd.Compression, self.compression)
+        return HorovodStore(hvd), hvd.DistributedTrainer(params, "sgd", optimizer_params,
+                                                         **kwargs)
+
+
+class HorovodFP16(HorovodDense):
+    """hvd.DistributedTrainer(..., compression=hvd.Compression.fp16): Horovod's own
+    float16 transport, the peer a Horovod user picks to halve the ring's bytes."""
+    description = ("hvd.DistributedTrainer(compression=hvd.Compression.fp16): each "
+                   "gradient cast to float16 for Horovod's ring allreduce (Gloo) and back "
+                   "to float32; forward, backward, weights and the update in float32 on "
+                   "the workers; W processes, no servers")
+    compression = "fp16"
 
 
 class HyloHorovod(HyloMode):
@@ -159,11 +195,13 @@ class HyloHorovod(HyloMode):
 MODES = {
     "dist_sync": DistSync,
     "dist_sync_workerupdate": DistSyncWorkerUpdate,
+    "dist_sync_fp16": DistSyncFP16,
     "hylo_densepull": HyloDensePull,
     "hylo": HyloMode,
     "hylo_nooverlap": HyloNoOverlap,
     "hylo_workers": HyloWorkers,
     "horovod_dense": HorovodDense,
+    "horovod_fp16": HorovodFP16,
     "hylo_horovod": HyloHorovod,
 }
 
