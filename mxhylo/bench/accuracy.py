@@ -59,6 +59,7 @@ import numpy as np
 
 from ..digits import LR_SCHEDULES
 from .comm import parse_hylo_options
+from .native_store import WorkerUpdateStore
 
 MODES = ("dense", "2bit", "hylo", "hylo_densepull", "hylo_nomc")
 DEFAULT_MODES = ("dense", "hylo", "hylo_densepull")
@@ -443,13 +444,7 @@ def twobit_bytes(n):
 
 # ----------------------------------------------------------------------------- worker side
 
-def _kvstore_base():
-    from mxnet.kvstore import KVStoreBase
-
-    return KVStoreBase
-
-
-class PushThenPull(_kvstore_base()):
+class PushThenPull(WorkerUpdateStore):
     """A native dist kvstore with MXNet's 2-bit compression, usable by gluon.Trainer.
 
     Gluon calls ``pushpull``, which aborts in MXNet 1.9.1 once gradient compression is
@@ -474,30 +469,6 @@ class PushThenPull(_kvstore_base()):
         self._kv.push(key, value, priority=priority)
         self._kv.pull(key, out=value if out is None else out, priority=priority)
 
-    @staticmethod
-    def is_capable(capability):
-        return False   # the update runs on the workers, as in the other modes
-
-    def set_optimizer(self, optimizer):
-        raise NotImplementedError("PushThenPull updates on the workers")
-
-    def save_optimizer_states(self, fname, dump_optimizer=False):
-        raise NotImplementedError
-
-    def load_optimizer_states(self, fname):
-        raise NotImplementedError
-
-    @property
-    def type(self):
-        return self._kv.type
-
-    @property
-    def rank(self):
-        return self._kv.rank
-
-    @property
-    def num_workers(self):
-        return self._kv.num_workers
 
 
 def _worker_parser():

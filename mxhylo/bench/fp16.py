@@ -10,7 +10,8 @@ gradient to float16 around the store's pushpull: this adapter does that over one
 """
 import mxnet as mx
 import numpy as np
-from mxnet.kvstore import KVStoreBase
+
+from .native_store import WorkerUpdateStore
 
 # native key of key k's float16 gradients: HALF_KEY_OFFSET + k. Small enough that
 # MXNet's KVStoreDist picks a small key's server as (key * 9973) % servers in int32.
@@ -27,7 +28,7 @@ def _arrays(value):
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-class DistSyncFP16Store(KVStoreBase):
+class DistSyncFP16Store(WorkerUpdateStore):
     """One native dist_sync store whose gradient exchange moves float16, for
     ``gluon.Trainer(params, 'sgd', ..., kvstore=DistSyncFP16Store())``.
 
@@ -109,28 +110,3 @@ class DistSyncFP16Store(KVStoreBase):
         for o in outs:
             mx.nd.Cast(half, dtype=np.dtype(o.dtype).name, out=o)
 
-    @staticmethod
-    def is_capable(capability):
-        return False        # the update runs on the workers, in float32
-
-    def set_optimizer(self, optimizer):
-        raise NotImplementedError("DistSyncFP16Store updates on the workers "
-                                  "(update_on_kvstore=False)")
-
-    def save_optimizer_states(self, fname, dump_optimizer=False):
-        raise NotImplementedError
-
-    def load_optimizer_states(self, fname):
-        raise NotImplementedError
-
-    @property
-    def type(self):
-        return self._kv.type
-
-    @property
-    def rank(self):
-        return self._kv.rank
-
-    @property
-    def num_workers(self):
-        return self._kv.num_workers
