@@ -12,12 +12,20 @@ Trainer's momentum for this step, or None):
 ``chain(decision, compressors, warmup_steps)`` builds a layer's stages, outermost
 first:
 
-    WarmUp -> MomentumCorrection -> ErrorFeedback(codec)
+    WarmUp -> MomentumCorrection -> BoundedResidual -> ErrorFeedback(codec)
 
 * ErrorFeedback: the codec encodes gradient + residual and leaves in the residual what
   it did not send. The fold, the selection and the residual update run as one fused
   kernel (mxhylo.ops): one pass over the layer, which is why the residual is handed to
   the codec rather than added here.
+* BoundedResidual: after the codec, each row of the residual (an output filter of a
+  conv weight, an output unit of a dense one) keeps at most the norm of the same row
+  of this step's input; the rest is dropped. Why: the residual is what error feedback
+  delivers late, and near the edge of stability a late delivery is what tips a run
+  over (a filter that waited 20 steps lands as one 20-step burst, amplified by
+  momentum). Bounded so, what any row receives late is at most one step of its own
+  current update, the size of a step dense training takes anyway; what is dropped is
+  the part of old gradients the codec could not keep up with.
 * MomentumCorrection (kvstore.momentum): with MXNet's momentum SGD, the codec sends
   the velocity, and the aggregate is corrected so that the optimizer's momentum does
   not apply twice. Only where a Trainer's step gives a momentum.
@@ -30,6 +38,7 @@ from typing import Optional
 
 import numpy as np
 
+from .. import ops
 from . import momentum as momentum_correction
 from .memory import ResidualMemory
 
@@ -61,6 +70,29 @@ class ErrorFeedback:
 
     def finish(self, layer, aggregate, step):
         """Nothing to do after the exchange."""
+
+
+class BoundedResidual:
+    """The codec with error feedback, its residual bounded row by row (see the module
+    docstring): ||r[i]|| <= ROW_BOUND * ||input[i]|| for every row i after each encode.
+    The input is what the codec encoded this step (the velocity under momentum
+    correction, else the gradient)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def encode(self, layer, grad, step):
+        payload = self.inner.encode(layer, grad, step)
+        ops.bound_rows(step.memory.residual(layer.plan.name, grad), grad, ROW_BOUND)
+        return payload
+
+    def finish(self, layer, aggregate, step):
+        self.inner.finish(layer, aggregate, step)
+
+
+# what a row of the residual may hold: this many times the norm of its row of the
+# step's input (BoundedResidual)
+ROW_BOUND = 1.0
 
 
 class MomentumCorrection:
@@ -118,6 +150,8 @@ def chain(plan, compressors, warmup_steps, memory):
     which is dense momentum SGD exactly once nothing is owed)."""
     stages = ErrorFeedback(compressors[plan.strategy])
     compressed = plan.strategy != "none"
+    if compressed:
+        stages = BoundedResidual(stages)
     if compressed or memory.scalar(plan.name, "previous_rescale") is not None:
         stages = MomentumCorrection(stages)
     if compressed and warmup_steps:

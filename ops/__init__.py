@@ -32,6 +32,7 @@ from . import _checks, _cpp, build, reference
 
 __all__ = ["backend", "quantize_2bit", "settle_2bit", "l1_stats", "dequantize_2bit",
            "select_kernels", "scatter_kernels", "momentum_velocity", "momentum_correct",
+           "bound_rows",
            "set_num_threads", "reference", "build"]
 
 _lock = threading.Lock()
@@ -260,3 +261,23 @@ def momentum_correct(aggregate, previous, factor):
     if _use_cpp(aggregate):
         return _cpp.momentum_correct(aggregate, previous, text)
     return reference._momentum_correct(aggregate, previous, float(f))
+
+
+def bound_rows(residual, grad, bound):
+    """Cut each row of a residual to a bound set by the step's input, in place.
+
+    residual: float32 (O, ...) (a 1-D array is one row), UPDATED IN PLACE: each row
+    i over the bound is multiplied by float32(sqrt(b * b * su) / sqrt(sr)), where sr
+    and su are the sums of squares of row i of residual and of grad, in double,
+    element by element in order (every ISA build gives the same bits), and b is
+    ``bound`` rounded to float32; a row whose grad row is zero is emptied, a row
+    holding a NaN is left as it is. grad: float32|float16, the same shape (read
+    only). Returns a (1,) float32 NDArray: the number of rows cut.
+    """
+    b, text = _checks.finite32(bound, "bound", "bound_rows")
+    if b < 0:
+        raise ValueError("bound_rows: bound must be >= 0, got %r" % (bound,))
+    _checks.grad_residual(grad, residual, "bound_rows")
+    if _use_cpp(residual):
+        return _cpp.bound_rows(residual, grad, text)
+    return reference._bound_rows(residual, grad, float(b))

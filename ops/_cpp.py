@@ -67,3 +67,8 @@ def momentum_velocity(grad, velocity, momentum_text, out):
 def momentum_correct(aggregate, previous, factor_text):
     # in place: MXNet hands `aggregate` to the op as input and output
     return mx.nd.hylo_momentum_correct(aggregate, previous, factor=factor_text, out=aggregate)
+
+
+def bound_rows(residual, grad, bound_text):
+    # in place: MXNet hands `residual` to the op as a mutated input
+    return mx.nd.hylo_bound_rows(residual, grad, bound=bound_text)

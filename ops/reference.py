@@ -268,3 +268,38 @@ def _momentum_correct(aggregate, previous, f):
     previous[:] = aggregate
     aggregate -= scaled
     return aggregate
+
+
+def bound_rows(residual, grad, bound):
+    """See mxhylo.ops.bound_rows."""
+    b, _ = _checks.finite32(bound, "bound", "bound_rows")
+    _checks.grad_residual(grad, residual, "bound_rows")
+    return _bound_rows(residual, grad, float(b))
+
+
+def _lane_squares(x):
+    """Sum of squares of a float32 row in double as the C++ kernel takes it: element j
+    in lane j % 8, each lane in order (np.cumsum adds in order), the 8 lanes as a
+    fixed tree."""
+    v = np.zeros(-(-x.size // 8) * 8, np.float64)
+    v[:x.size] = x
+    lanes = np.cumsum((v * v).reshape(-1, 8), axis=0)[-1] if v.size else np.zeros(8)
+    a = [float(t) for t in lanes]
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))
+
+
+def _bound_rows(residual, grad, bound):
+    # numpy on the host, the same additions in the same order as the C++ kernel, so
+    # the same bits (a reference for any device, not a fast path)
+    rows = residual.shape[0] if residual.ndim > 1 else 1
+    r = residual.asnumpy().reshape(rows, -1)
+    u = grad.asnumpy().astype(np.float32).reshape(rows, -1)
+    cut = 0
+    for i in range(rows):
+        allowed = bound * bound * _lane_squares(u[i])
+        sr = _lane_squares(r[i])
+        if sr > allowed:
+            r[i] *= np.float32(np.sqrt(allowed) / np.sqrt(sr))
+            cut += 1
+    residual[:] = r.reshape(residual.shape)
+    return mx.nd.array([cut], ctx=residual.context, dtype=np.float32)

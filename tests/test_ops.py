@@ -866,6 +866,18 @@ def isa_inputs():
             g = _with_edges((rng.randn(n) * 3).astype(dtype), n)
             u = _with_edges(rng.randn(n).astype(F32), n + 1)
             cases["m_%d_%s" % (n, np.dtype(dtype).name)] = ("momentum", g, u, 0.9)
+    for shape in [(1, 1), (17,), (5, 4, 3, 3), (9, 1000), (3, 2503)]:
+        for dtype in (np.float32, np.float16):
+            # rows of every scale, so some are cut and some are not
+            r = (rng.randn(*shape) * 10.0 ** rng.randint(-2, 2, shape[:1] + (1,) * (
+                len(shape) - 1))).astype(F32)
+            g = rng.randn(*shape).astype(dtype)
+            if len(shape) > 1 and shape[0] >= 5:
+                g[1] = 0                                        # zero input: emptied
+                r.reshape(shape[0], -1)[2, 3] = np.nan          # NaN row: untouched
+                g.reshape(shape[0], -1)[3, 5] = np.inf          # infinite input: untouched
+            cases["b_%s_%s" % ("x".join(map(str, shape)), np.dtype(dtype).name)] = (
+                "bound", g, r, 0.7)
     return cases
 
 
@@ -896,6 +908,10 @@ def isa_child(path):
             acc = nd(y)
             ops.dequantize_2bit(nd(x), p * 3, (n,), out=acc, accumulate=True)
             out[name + "/accumulated"] = acc.asnumpy()
+        elif op == "bound":
+            res = nd(y)
+            out[name + "/cut"] = ops.bound_rows(res, nd(x), p).asnumpy()
+            out[name + "/residual"] = res.asnumpy()
         elif op == "momentum":
             out[name + "/velocity"] = canon(ops.momentum_velocity(nd(x), nd(y), p).asnumpy())
             agg, prev = nd(y), nd(x.astype(F32))
@@ -986,6 +1002,12 @@ def test_native_build_matches_numpy(isa_outputs):
         elif op == "dequantize":
             np.testing.assert_array_equal(bits(out[name + "/decoded"]),
                                           bits(np_dequantize(x, p, (y.size,))), err_msg=name)
+        elif op == "bound":
+            want = mx.nd.array(y)
+            cut = ops.reference.bound_rows(want, mx.nd.array(x, dtype=x.dtype), p)
+            np.testing.assert_array_equal(bits(out[name + "/residual"]), bits(want.asnumpy()),
+                                          err_msg=name)
+            assert out[name + "/cut"][0] == cut.asscalar(), name
         elif op == "momentum":
             np.testing.assert_array_equal(out[name + "/velocity"],
                                           canon(np_velocity(x, y, p)), err_msg=name)

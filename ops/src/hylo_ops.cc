@@ -1149,6 +1149,116 @@ MXReturnValue correct_forward(const Attrs& attrs, std::vector<MXTensor>* in,
   return MX_SUCCESS;
 }
 
+// ===================================================== residual row bound
+// Each row i of the residual r (O rows of F float32 values; kvstore.stages
+// BoundedResidual) is cut to at most `bound` times the L2 norm of row i of u, the
+// step's input (float32 | float16, same shape). Each sum of squares is taken in
+// double over kLanes fixed lanes (element j goes to lane j % kLanes, each lane adds
+// in order), then the lanes are added as a fixed tree: the compiler may vectorize
+// across lanes but not reorder within one (-ffp-contract=off, no -ffast-math), so
+// every ISA build gives the same bits, and one row costs a pass at memory speed
+// instead of a chain of dependent adds. A row over the bound is multiplied by
+// float(sqrt(bound * bound * su) / sqrt(sr)), one IEEE float32 multiply per element.
+// A row whose input is zero is emptied; a row holding a NaN compares false and is
+// left as it is. Returns the number of rows cut.
+const int kLanes = 8;
+
+inline double lane_tree(const double* a) {
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+inline void add_squares(const float* x, int64_t len, int64_t first, double* acc) {
+  // element x[j] is element first + j of its row: lane (first + j) % kLanes.
+  // first is a multiple of kLanes (kChunk is), so lanes line up with j.
+  int64_t j = 0;
+  for (; j + kLanes <= len; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      const double v = x[j + l];
+      acc[l] += v * v;
+    }
+  for (; j < len; ++j) {
+    const double v = x[j];
+    acc[(first + j) % kLanes] += v * v;
+  }
+}
+
+template <typename T>
+int64_t bound_rows_all(float* r, const T* u, int64_t rows, int64_t width, double bound) {
+  float buf[kChunk];
+  int64_t cut = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    float* ri = r + i * width;
+    const T* ui = u + i * width;
+    double ar[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+    double au[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+    add_squares(ri, width, 0, ar);
+    for (int64_t lo = 0; lo < width; lo += kChunk) {
+      const int64_t len = std::min(kChunk, width - lo);
+      add_squares(as_float(ui + lo, len, buf), len, lo, au);
+    }
+    const double sr = lane_tree(ar);
+    const double allowed = bound * bound * lane_tree(au);
+    if (sr > allowed) {
+      const float scale = static_cast<float>(std::sqrt(allowed) / std::sqrt(sr));
+      for (int64_t j = 0; j < width; ++j) ri[j] *= scale;
+      ++cut;
+    }
+  }
+  return cut;
+}
+
+MXReturnValue bound_parse(const Attrs& attrs, int* nin, int* nout) {
+  float b;
+  if (!parse_float(attrs, "bound", false, &b)) return MX_FAIL;
+  *nin = 2;
+  *nout = 1;
+  return MX_SUCCESS;
+}
+
+MXReturnValue bound_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
+  if (in->size() != 2 || (*in)[0] != kFloat32 ||
+      ((*in)[1] != kFloat32 && (*in)[1] != kFloat16)) {
+    MX_ERROR_MSG << "hylo_bound_rows: residual must be float32, input float32 or float16";
+    return MX_FAIL;
+  }
+  (*out)[0] = kFloat32;
+  return MX_SUCCESS;
+}
+
+MXReturnValue bound_shape(const Attrs&, std::vector<std::vector<unsigned int> >* in,
+                          std::vector<std::vector<unsigned int> >* out) {
+  if (!expect_inputs(*in, 2, "hylo_bound_rows")) return MX_FAIL;
+  if ((*in)[0] != (*in)[1]) {
+    MX_ERROR_MSG << "hylo_bound_rows: residual and input shapes differ";
+    return MX_FAIL;
+  }
+  (*out)[0] = std::vector<unsigned int>{1};
+  return MX_SUCCESS;
+}
+
+MXReturnValue bound_forward(const Attrs& attrs, std::vector<MXTensor>* in,
+                            std::vector<MXTensor>* out, const OpResource&) {
+  float b;
+  if (!parse_float(attrs, "bound", false, &b)) return MX_FAIL;
+  MXTensor& r = (*in)[0];
+  MXTensor& u = (*in)[1];
+  const int64_t n = r.size();
+  const int64_t rows = r.shape.size() > 1 ? static_cast<int64_t>(r.shape[0]) : 1;
+  const int64_t width = rows ? n / rows : 0;
+  int64_t cut;
+  if (u.dtype == kFloat16)
+    cut = bound_rows_all<uint16_t>(r.data<float>(), u.data<uint16_t>(), rows, width, b);
+  else
+    cut = bound_rows_all<float>(r.data<float>(), u.data<float>(), rows, width, b);
+  (*out)[0].data<float>()[0] = static_cast<float>(cut);
+  return MX_SUCCESS;
+}
+
+MXReturnValue mutate_first(const Attrs&, std::vector<int>* idx) {
+  idx->push_back(0);  // the residual, cut in place
+  return MX_SUCCESS;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- registry
@@ -1207,6 +1317,13 @@ REGISTER_OP(hylo_momentum_velocity)
     .setInferType(velocity_type)
     .setInferShape(velocity_shape)
     .setForward(velocity_forward, "cpu");
+
+REGISTER_OP(hylo_bound_rows)
+    .setParseAttrs(bound_parse)
+    .setInferType(bound_type)
+    .setInferShape(bound_shape)
+    .setMutateInputs(mutate_first)
+    .setForward(bound_forward, "cpu");
 
 REGISTER_OP(hylo_momentum_correct)
     .setParseAttrs(correct_parse)

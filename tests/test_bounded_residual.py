@@ -1,0 +1,99 @@
+"""The stabilizer around every codec (kvstore.stages.BoundedResidual): after each
+encode, every row of a layer's residual holds at most the norm of the same row of the
+step's input, so what error feedback delivers late is never more than one step of it."""
+import numpy as np
+import pytest
+
+import mxnet as mx
+
+import mxhylo
+from mxhylo import ops
+from mxhylo.kvstore import stages
+
+
+def _row_norms(a):
+    return np.sqrt((a.reshape(a.shape[0], -1).astype(np.float64) ** 2).sum(1))
+
+
+@pytest.mark.parametrize("shape", [(7,), (5, 9), (6, 3, 3, 3), (1, 1)])
+def test_bound_rows_scales_only_rows_over_the_bound_and_keeps_their_direction(shape):
+    rng = np.random.RandomState(sum(shape))
+    for bound in (0.5, 1.0, 3.0):
+        residual = (rng.standard_normal(shape) * rng.choice([0.1, 1, 10], shape[:1] + (1,) *
+                                                             (len(shape) - 1))).astype(np.float32)
+        grad = rng.standard_normal(shape).astype(np.float32)
+        if len(shape) > 1:
+            residual[0] = 0.0               # an empty row stays empty
+            grad[-1] = 0.0                  # a row with no input is emptied
+        r = mx.nd.array(residual)
+        cut = ops.bound_rows(r, mx.nd.array(grad), bound)
+        got = r.asnumpy()
+        rows = 1 if len(shape) == 1 else shape[0]
+        before = _row_norms(residual.reshape(rows, -1))
+        allowed = bound * _row_norms(grad.reshape(rows, -1))
+        after = _row_norms(got.reshape(rows, -1))
+        for i in range(rows):
+            old, new = residual.reshape(rows, -1)[i], got.reshape(rows, -1)[i]
+            if before[i] <= allowed[i]:
+                np.testing.assert_array_equal(new, old)     # within the bound: untouched
+            else:
+                assert after[i] == pytest.approx(allowed[i], rel=1e-5, abs=1e-30)
+                if allowed[i] > 0:      # scaled, not turned: the same direction
+                    cos = np.dot(new, old) / (after[i] * before[i])
+                    assert cos == pytest.approx(1.0, abs=1e-6)
+        assert (after <= allowed * (1 + 1e-5) + 1e-30).all()
+        assert int(cut.asscalar()) == int((before > allowed).sum())
+        if len(shape) > 1:
+            assert not got[0].any() and not got[-1].any()
+
+
+def _starved_filters(steps):
+    """A conv layer of 4 filters sending 1 a step, whose filter 0's gradient grows every
+    step (so it is always the one sent) and whose other filters' gradients stay 0.01:
+    the norms of filters 1-3's residual rows after ``steps`` exchanges, and of their
+    gradient rows."""
+    kv = mxhylo.create(size_threshold=1, conv_rate=0.25, warmup_steps=0, cost_model=False)
+    shape = (4, 2, 3, 3)
+    for t in range(1, steps + 1):
+        g = np.full(shape, 0.01, np.float32)
+        g[0] = float(t)
+        kv.pushpull("conv", mx.nd.array(g))
+    assert kv.stats()["layers"]["conv"]["policy"] == "conv_topk"
+    assert kv.stats()["layers"]["conv"]["k"] == 1
+    residual = kv.memory.residual("conv", mx.nd.zeros(shape)).asnumpy()
+    return _row_norms(residual)[1:], _row_norms(g)[1:]
+
+
+def test_a_residual_that_grows_without_bound_unbounded_stays_within_one_step(monkeypatch):
+    """Filters never sent: without the bound their residual is the sum of all their
+    gradients (it grows with every step); with it, one step's gradient at most."""
+    monkeypatch.setattr(stages, "ROW_BOUND", float(np.finfo(np.float32).max))
+    unbounded, grad = _starved_filters(50)
+    np.testing.assert_allclose(unbounded, 50 * grad, rtol=1e-4)
+    monkeypatch.setattr(stages, "ROW_BOUND", 1.0)
+    bounded, grad = _starved_filters(50)
+    np.testing.assert_allclose(bounded, grad, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_bound_rows_operator_equals_its_reference_bitwise(dtype):
+    """mxhylo.ops.bound_rows (C++ where built) and ops.reference: the same bits, on
+    random rows of every scale, a zero input row, a NaN row, and one long row."""
+    rng = np.random.RandomState(5)
+    for shape in [(9, 4, 3, 3), (3, 1000), (2, 2503), (1, 1), (17,)]:
+        residual = (rng.standard_normal(shape) * 10.0 ** rng.randint(-3, 3)).astype(np.float32)
+        grad = rng.standard_normal(shape).astype(dtype)
+        if len(shape) > 1 and shape[0] > 2:
+            grad[1] = 0
+            residual[2, 0] = np.nan
+        a, b = mx.nd.array(residual), mx.nd.array(residual)
+        g = mx.nd.array(grad, dtype=dtype)
+        cut_a = ops.bound_rows(a, g, 0.7)
+        cut_b = ops.reference.bound_rows(b, g, 0.7)
+        np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
+        assert cut_a.asscalar() == cut_b.asscalar()
+        if len(shape) > 1 and shape[0] > 2:
+            assert not a.asnumpy()[1].any()                 # zero input: emptied
+            np.testing.assert_array_equal(a.asnumpy()[2], residual[2])  # NaN row: as it was
+    with pytest.raises(ValueError, match="bound"):
+        ops.bound_rows(mx.nd.zeros((2, 2)), mx.nd.zeros((2, 2)), -1.0)
