@@ -97,3 +97,53 @@ def test_bound_rows_operator_equals_its_reference_bitwise(dtype):
             np.testing.assert_array_equal(a.asnumpy()[2], residual[2])  # NaN row: as it was
     with pytest.raises(ValueError, match="bound"):
         ops.bound_rows(mx.nd.zeros((2, 2)), mx.nd.zeros((2, 2)), -1.0)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "lars"])
+def test_every_compressed_layer_is_bounded_every_step_under_each_optimizer(monkeypatch,
+                                                                           optimizer):
+    """A user's loop (a Trainer given the store, update_on_kvstore unset): after every
+    step, every compressed layer's residual rows are within the rows of what was
+    encoded: the velocity under SGD's momentum (momentum correction), the gradient
+    under Adam and LARS (no momentum correction)."""
+    from mxnet import autograd, gluon
+
+    seen = []
+    real = ops.bound_rows
+
+    def bound_rows(residual, grad, bound):
+        cut = real(residual, grad, bound)
+        seen.append((grad.shape, _row_norms(residual.asnumpy()), _row_norms(grad.asnumpy())))
+        return cut
+    monkeypatch.setattr(ops, "bound_rows", bound_rows)
+
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Conv2D(16, 3, in_channels=4), gluon.nn.Flatten(), gluon.nn.Dense(10))
+    net.initialize(mx.init.Xavier(), ctx=[mx.cpu(0), mx.cpu(1)])
+    kv = mxhylo.create(size_threshold=100, warmup_steps=0)
+    params = net.collect_params()
+    if optimizer == "lars":
+        trainer = mxhylo.LARSTrainer(params, learning_rate=0.1, momentum=0.9, kvstore=kv,
+                                      total_steps=10, loss_scale=None)
+    else:
+        opts = {"learning_rate": 0.01}
+        if optimizer == "sgd":
+            opts["momentum"] = 0.9
+        trainer = gluon.Trainer(params, optimizer, opts, kvstore=kv)
+    rng = np.random.RandomState(0)
+    steps = 10
+    for t in range(steps):
+        # inputs that shrink step by step, so the gradients do: what a residual holds
+        # from earlier steps then outgrows the step's input unless it is bounded
+        xs = [mx.nd.array(rng.standard_normal((4, 4, 6, 6)) * 0.7 ** t, ctx=c)
+              for c in (mx.cpu(0), mx.cpu(1))]
+        with autograd.record():
+            losses = [(net(x) ** 2).mean() for x in xs]
+        autograd.backward(losses)
+        trainer.step(8)
+    compressed = {n for n, s in kv.stats()["layers"].items() if s["policy"] != "none"}
+    assert len(compressed) == 2                         # the conv and the dense weights
+    assert len(seen) == steps * len(compressed)
+    for _, residual, encoded in seen:
+        assert (residual <= encoded * (1 + 1e-5)).all()
+    assert net(xs[0]).asnumpy().shape == (4, 10)        # the net still evaluates
