@@ -48,16 +48,22 @@ def test_2bit_takes_the_small_convs_and_topk_the_large():
 
 def test_adaptive_rate_formula_and_k():
     t = 8192
-    assert adaptive_conv_rate(t, t) == pytest.approx(0.1)
-    assert adaptive_conv_rate(256 * t, t) == pytest.approx(0.025)
-    assert adaptive_conv_rate(10 ** 9, t) == pytest.approx(0.01)         # clipped at min
+    assert adaptive_conv_rate(t) == pytest.approx(0.1)
+    assert adaptive_conv_rate(t // 2) == pytest.approx(0.1)             # clipped at max
+    assert adaptive_conv_rate(256 * t) == pytest.approx(0.025)
+    assert adaptive_conv_rate(10 ** 9) == pytest.approx(0.01)           # clipped at min
     sizes = [t, 4 * t, 50 * t, 300 * t]
-    rates = [adaptive_conv_rate(n, t) for n in sizes]
+    rates = [adaptive_conv_rate(n) for n in sizes]
     assert all(a > b for a, b in zip(rates, rates[1:]))                  # bigger -> smaller
     plan = LayerPolicy().plan("c", (512, 512, 3, 3))
     expect = 0.1 * (8192 / (512 * 512 * 9)) ** 0.25
     assert plan.rate == pytest.approx(expect)
     assert plan.k == max(1, int(round(expect * 512)))
+    # the size threshold says which layers are compressed, not how hard
+    for threshold in (1024, 8192, 100000):
+        low = LayerPolicy(size_threshold=threshold).plan("c", (512, 512, 3, 3))
+        assert (low.rate, low.k) == (plan.rate, plan.k)
+    assert LayerPolicy(size_threshold=1024).plan("c", (64, 64, 3, 3)).strategy == "fc_2bit"
     assert LayerPolicy(conv_rate=0.5).plan("c", (64, 16, 3, 3)).k == 32
     assert LayerPolicy(conv_rate=0.001).plan("c", (64, 16, 3, 3)).k == 1  # at least one filter
 
