@@ -89,11 +89,15 @@ def test_registered_as_bench_suite():
 
 # ----------------------------------------------------------------------------- maths
 
-def _round(step, fwd_bwd, exchange):
-    return {"full": {"seconds": step, "fwd_bwd_call_s": 0.01, "step_call_s": step - 0.2,
-                     "wait_s": 0.19},
-            "split": {"fwd_bwd_s": fwd_bwd, "exchange_s": exchange,
-                      "exchange_call_s": exchange / 2}}
+def _round(step, fwd_bwd, exchange, cpu=None):
+    """One timed round; cpu: (full step's CPU s, forward+backward's CPU s) or None."""
+    r = {"full": {"seconds": step, "fwd_bwd_call_s": 0.01, "step_call_s": step - 0.2,
+                  "wait_s": 0.19},
+         "split": {"fwd_bwd_s": fwd_bwd, "exchange_s": exchange,
+                   "exchange_call_s": exchange / 2}}
+    if cpu:
+        r["full"]["cpu_s"], r["split"]["fwd_bwd_cpu_s"] = cpu
+    return r
 
 
 def _worker(index, rounds, sha="abc", stats=None, stats_before=None):
@@ -141,6 +145,53 @@ def test_summarise_speed_slowest_worker_medians_and_bytes():
     assert res["workers_identical"] is True
 
 
+def test_exchange_cpu_is_the_step_minus_forward_backward_plus_the_servers():
+    """Workers: median full-step CPU minus median forward+backward CPU, each worker,
+    summed; servers: their CPU over the window per exchange, summed (not the
+    scheduler's, not the workers' window totals)."""
+    w0 = [_round(2, 1, 1, cpu=(3.0, 1.0)), _round(2, 1, 1, cpu=(3.4, 1.2)),
+          _round(2, 1, 1, cpu=(9.0, 1.1))]                  # medians 3.4 and 1.1
+    w1 = [_round(2, 1, 1, cpu=(2.0, 1.0))] * 3
+    before = {"worker 0": 10.0, "server 0": 5.0, "server 1": 7.0, "scheduler": 0.0}
+    after = {"worker 0": 99.0, "server 0": 8.0, "server 1": 10.0, "scheduler": 9.0}
+    res = train.summarise_speed([_worker(0, w0), _worker(1, w1)], None, None, 3,
+                                before, after)
+    cpu = res["exchange_cpu"]
+    assert cpu["per_worker_s"] == [pytest.approx(2.3), pytest.approx(1.0)]
+    assert cpu["workers_s"] == pytest.approx(3.3)
+    assert cpu["servers_s"] == pytest.approx(6.0 / 6)      # 3 rounds = 6 exchanges
+    assert cpu["total_s"] == pytest.approx(4.3)
+    horovod = train.summarise_speed([_worker(0, w1)], None, None, 3, {}, {})
+    assert horovod["exchange_cpu"]["servers_s"] == 0.0
+    old = train.summarise_speed([_worker(0, [_round(2, 1, 1)])], None, None, 1)
+    assert old["exchange_cpu"] is None                      # results without CPU readings
+
+
+def test_group_cpu_seconds_counts_a_busy_child_and_its_own_children(tmp_path):
+    """The harness's CPU reading of a job's role: every process of its group."""
+    import subprocess
+    import sys
+    import time
+    from mxhylo.bench import jobs
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\n"
+    code = ("import subprocess, sys, time\n"
+            "c = subprocess.Popen([sys.executable, '-c', %r])\n" % busy + busy +
+            "c.wait()\ntime.sleep(30)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        seconds = 0.0
+        while time.monotonic() < deadline and seconds < 0.5:
+            time.sleep(0.2)
+            seconds = jobs.group_cpu_seconds(proc.pid)
+        # the parent's 0.5 s at least (a reaped child's time is the parent's
+        # cumulative, not counted: a role's processes live as long as the role)
+        assert 0.5 <= seconds < 5.0
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 def test_checksums_that_differ_are_reported():
     rounds = [_round(1.0, 0.5, 0.5)]
     res = train.summarise_speed([_worker(0, rounds, sha="a"), _worker(1, rounds, sha="b")],
@@ -182,9 +233,9 @@ def test_speedups_against_the_best_peer(tmp_path):
                          "batch_size": 8, "workers": 2, "servers": 1, "rate": "1gbit"},
               "machine": {"cpu": "X"}, "date": "2026-01-01T00:00:00"}
     lines = train.format_speed_table(report)
-    assert lines[0].split()[8:11] == ["speedup", "vs", "peer"]
+    assert lines[0].split()[8:14] == ["CPU", "s", "w+s", "speedup", "vs", "peer"]
     row = [l for l in lines if l.split()[1:2] == ["hylo"]][0].split()
-    assert row[7:9] == ["3.00x", "2.00x"]
+    assert row[7:10] == ["-", "3.00x", "2.00x"]
     best = [l for l in lines if "best peer" in l][0]
     assert "dist_sync_fp16, step 1.600 s" in best and "hylo 2.00x" in best
     train.write_speed_plot(report, str(tmp_path / "p.png"))

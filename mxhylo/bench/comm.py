@@ -711,7 +711,7 @@ def run_rate(args, rate, shapes=None, plot=None):
                 config = dict(cfg, mode=mode, keys=[p["key"] for p in shapes[m]],
                               shapes=[p["shape"] for p in shapes[m]])
                 try:
-                    results, counters = run_job(
+                    results, counters, _ = run_job(
                         topo, job_dir, config, port, timeout, WORKER, worker_threads=0,
                         marks=("start", "end"),
                         launcher="horovod" if mode in HOROVOD_MODES else "ps")

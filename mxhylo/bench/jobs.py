@@ -28,15 +28,33 @@ class JobError(RuntimeError):
         self.log_tail = log_tail
 
 
+def group_cpu_seconds(pgid):
+    """CPU seconds (user + system, every thread) used so far by the live processes of
+    process group ``pgid`` (a job's child leads its own group), from /proc; 10 ms steps
+    (the kernel's clock ticks)."""
+    tick = float(os.sysconf("SC_CLK_TCK"))
+    total = 0
+    for pid in [pgid] + [p for p in procs.group_members(pgid) if p != pgid]:
+        try:
+            with open("/proc/%d/stat" % pid, "rb") as f:
+                data = f.read().decode("ascii", "replace")
+        except OSError:
+            continue
+        fields = data[data.rindex(")") + 2:].split()
+        total += int(fields[11]) + int(fields[12])      # utime, stime
+    return total / tick
+
+
 class NetnsJob(launch.Job):
     """mxhylo.launch's Job (process groups, time limit, teardown, signals) that also
     answers the workers' counter marks (``mark-NAME`` files in ``sync_dir``): it reads
-    every role's interface counters and acknowledges with ``mark-NAME.ack``."""
+    every role's interface counters and the CPU seconds of every role's processes
+    (``cpu[NAME]``: child name -> seconds), and acknowledges with ``mark-NAME.ack``."""
 
     def __init__(self, children, topo, sync_dir, **kwargs):
         super().__init__(children, **kwargs)
         self.topo, self.sync_dir = topo, sync_dir
-        self.counters, self.counter_errors = {}, []
+        self.counters, self.counter_errors, self.cpu = {}, [], {}
 
     def _serve_marks(self):
         try:
@@ -49,6 +67,8 @@ class NetnsJob(launch.Job):
             mark = name[len("mark-"):]
             if mark in self.counters:
                 continue
+            self.cpu[mark] = {c.name: group_cpu_seconds(c.pid)
+                              for c in self.children if c.pid is not None}
             try:
                 self.counters[mark] = self.topo.all_counters()
             except (netns.NetnsError, ValueError) as err:
@@ -110,7 +130,8 @@ def _tail(path, n=3000):
 def run_job(topo, job_dir, config, port, timeout, worker_module, worker_threads=1,
             marks=(), launcher="ps"):
     """One job of ``worker_module`` workers (their settings in ``config``, written to
-    JOB_DIR/config.json); returns (worker results, {mark: interface counters}).
+    JOB_DIR/config.json); returns (worker results, {mark: interface counters},
+    {mark: {child name ('worker 0', 'server 1', ...): CPU seconds at the mark}}).
     ``marks``: counter marks every run must have asked for. ``launcher``: 'ps' (a
     parameter-server job: scheduler, servers, workers) or 'horovod' (W workers with
     horovodrun's Gloo environment and a rendezvous server, no servers:
@@ -164,4 +185,4 @@ def run_job(topo, job_dir, config, port, timeout, worker_module, worker_threads=
     if missing:
         raise JobError("the workers never asked for the counter reads %s" % missing,
                        _tail(log_path))
-    return results, job.counters
+    return results, job.counters, job.cpu

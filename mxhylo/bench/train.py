@@ -273,9 +273,38 @@ def hylo_timing(worker_results):
     return out
 
 
-def summarise_speed(worker_results, before, after, steps):
-    """One mode's result from its workers' results and the counters around the window
-    of ``steps`` timed rounds (2 * steps exchanges)."""
+def exchange_cpu(worker_results, cpu_before=None, cpu_after=None, exchanges=1):
+    """CPU seconds the exchange costs per step, workers and servers apart.
+
+    workers: per worker, the median CPU seconds of a full step (forward, backward, the
+    Trainer's step, everything the engine ran for them) minus the median of forward and
+    backward alone (the split steps' first half), summed over the workers. servers:
+    the servers' processes' CPU seconds over the timed window (the harness reads /proc
+    at the 'start' and 'end' marks) per exchange, summed over the servers (0 without
+    servers: Horovod). Moving work from workers to servers moves it between the two
+    and leaves the total."""
+    per_worker = []
+    for r in sorted(worker_results, key=lambda r: r["index"]):
+        full = [x["full"].get("cpu_s") for x in r["rounds"]]
+        comp = [x["split"].get("fwd_bwd_cpu_s") for x in r["rounds"]]
+        if None in full or None in comp or not full:
+            return None
+        per_worker.append(statistics.median(full) - statistics.median(comp))
+    servers = 0.0
+    if cpu_before and cpu_after:
+        names = [n for n in cpu_before if n.startswith("server") and n in cpu_after]
+        servers = sum(cpu_after[n] - cpu_before[n] for n in names) / float(max(exchanges, 1))
+    workers = sum(per_worker)
+    return {"workers_s": workers, "servers_s": servers, "total_s": workers + servers,
+            "per_worker_s": per_worker,
+            "fwd_bwd_cpu_s": statistics.median(
+                [statistics.median([x["split"]["fwd_bwd_cpu_s"] for x in r["rounds"]])
+                 for r in worker_results])}
+
+
+def summarise_speed(worker_results, before, after, steps, cpu_before=None, cpu_after=None):
+    """One mode's result from its workers' results and the counters (interface bytes,
+    CPU seconds) around the window of ``steps`` timed rounds (2 * steps exchanges)."""
     step = slowest(worker_results, lambda x: x["full"]["seconds"])
     comp = slowest(worker_results, lambda x: x["split"]["fwd_bwd_s"])
     exch = slowest(worker_results, lambda x: x["split"]["exchange_s"])
@@ -315,6 +344,7 @@ def summarise_speed(worker_results, before, after, steps):
     exchanges = 2 * steps
     if before and after:
         res["wire"] = wire_summary(before, after, exchanges)     # per exchange
+    res["exchange_cpu"] = exchange_cpu(worker_results, cpu_before, cpu_after, exchanges)
     if any(r.get("stats") is not None for r in worker_results):
         res["hylo"] = hylo_summary(worker_results, exchanges)
         timing = hylo_timing(worker_results)
@@ -446,12 +476,13 @@ def _mb(x):
 
 
 def format_speed_table(report):
-    """Per model and mode: step, compute, exchange and overlap seconds, the step speedup
+    """Per model and mode: step, compute, exchange and overlap seconds, the exchange's
+    CPU seconds per step (workers' sum + servers' sum: exchange_cpu), the step speedup
     over dist_sync ('speedup') and over the run's best peer ('vs peer'), stream steps,
     bytes per exchange, identical workers, memory; then the best peer."""
-    lines = ["%-13s %-15s %14s %7s %7s %7s %8s %8s %7s %9s %9s %5s %6s" % (
-        "model", "mode", "step s (range)", "fwd+bwd", "exch", "overlap", "speedup",
-        "vs peer", "stream", "push MB/x", "pull MB/x", "same", "RSS GB")]
+    lines = ["%-13s %-15s %14s %7s %7s %7s %11s %8s %8s %7s %9s %9s %5s %6s" % (
+        "model", "mode", "step s (range)", "fwd+bwd", "exch", "overlap", "CPU s w+s",
+        "speedup", "vs peer", "stream", "push MB/x", "pull MB/x", "same", "RSS GB")]
     for model in _ordered_models(report):
         per_mode = report["results"][model]
         for mode in _ordered(report, per_mode):
@@ -463,10 +494,12 @@ def format_speed_table(report):
             sp = r.get("speedup_vs_" + BASELINE)
             vp = r.get("speedup_vs_best_peer")
             rss = r.get("worker_peak_rss_bytes")
-            lines.append("%-13s %-15s %5.3f %-8s %7.3f %7.3f %7.3f %8s %8s %7s %9s %9s %5s "
-                         "%6s" % (
+            cpu = r.get("exchange_cpu")
+            lines.append("%-13s %-15s %5.3f %-8s %7.3f %7.3f %7.3f %11s %8s %8s %7s %9s %9s "
+                         "%5s %6s" % (
                 model, mode, r["step_s"], "(%.2f-%.2f)" % (r["step"]["min"], r["step"]["max"]),
                 r["fwd_bwd_s"], r["exchange_s"], r["overlap_s"],
+                "%.2f+%.2f" % (cpu["workers_s"], cpu["servers_s"]) if cpu else "-",
                 "%.2fx" % sp if sp else "-", "%.2fx" % vp if vp else "-",
                 "%.3f" % r["stream_step_s"] if r.get("stream_step_s") else "-",
                 _mb(wire.get("push_bytes_per_step")), _mb(wire.get("pull_bytes_per_step")),
@@ -834,11 +867,12 @@ def _run_speed(args, parsed, common, report, topo, tmp, skipped):
             _log("%s / %s (time limit %.0f s)..." % (m, mode, timeout))
             t0 = time.monotonic()
             try:
-                results, counters = run_job(
+                results, counters, cpu = run_job(
                     topo, job_dir, config, port, timeout, WORKER, args.worker_threads,
                     launcher="horovod" if mode in HOROVOD_MODES else "ps")
                 r = per_mode[mode] = summarise_speed(results, counters.get("start"),
-                                                     counters.get("end"), args.steps)
+                                                     counters.get("end"), args.steps,
+                                                     cpu.get("start"), cpu.get("end"))
                 r["job_seconds"] = time.monotonic() - t0
                 _log("  step %.3f s, fwd+bwd %.3f s, exchange %.3f s, overlap %.3f s "
                      "(job %.0f s)" % (r["step_s"], r["fwd_bwd_s"], r["exchange_s"],
@@ -910,7 +944,7 @@ def _run_tta(args, parsed, common, report, topo, tmp, skipped):
             _log("tta %s seed %d (time limit %.0f s)..." % (mode, seed, timeout))
             t0 = time.monotonic()
             try:
-                results, counters = run_job(
+                results, counters, _ = run_job(
                     topo, job_dir, config, port, timeout, WORKER, args.worker_threads,
                     launcher="horovod" if mode in HOROVOD_MODES else "ps")
                 r = summarise_tta_run(results, args.target, counters.get("start"),

@@ -322,17 +322,19 @@ def run_speed(cfg, index):
             loss = loss_fn(net(data), label)
         loss.backward()
 
+    # CPU seconds: time.process_time(), every thread of this process (the engine's
+    # workers, ps-lite's, Horovod's), read where the step's work is done (after waitall)
     def full_step():
         sync.barrier()
-        t0, w0 = time.perf_counter(), time.time()
+        t0, w0, c0 = time.perf_counter(), time.time(), time.process_time()
         fwd_bwd()
         t1 = time.perf_counter()
         trainer.step(global_batch)
         t2 = time.perf_counter()
         mx.nd.waitall()
-        t3 = time.perf_counter()
+        t3, c3 = time.perf_counter(), time.process_time()
         step = {"start": w0, "seconds": t3 - t0, "fwd_bwd_call_s": t1 - t0,
-                "step_call_s": t2 - t1, "wait_s": t3 - t2}
+                "step_call_s": t2 - t1, "wait_s": t3 - t2, "cpu_s": c3 - c0}
         first.setdefault("step", step)      # the Trainer's first step: broadcast, plan
         return step
 
@@ -340,17 +342,18 @@ def run_speed(cfg, index):
 
     def split_step():
         sync.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fwd_bwd()
         mx.nd.waitall()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         sync.barrier()
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         trainer.step(global_batch)
         t3 = time.perf_counter()
         mx.nd.waitall()
-        t4 = time.perf_counter()
-        return {"fwd_bwd_s": t1 - t0, "exchange_s": t4 - t2, "exchange_call_s": t3 - t2}
+        t4, c4 = time.perf_counter(), time.process_time()
+        return {"fwd_bwd_s": t1 - t0, "exchange_s": t4 - t2, "exchange_call_s": t3 - t2,
+                "fwd_bwd_cpu_s": c1 - c0, "exchange_cpu_s": c4 - c2}
 
     # A store with a start-up phase (hylo: its dense warm-up, its route on trial) is
     # measured past it: untimed full steps until it says it is steady (the same number
