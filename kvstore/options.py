@@ -47,7 +47,8 @@ TABLE = (
      "False: the dense aggregate", "False where W is large enough that gathering "
      "costs more than the dense pull"),
     ("warmup_steps", "30", "a compressed layer's first exchanges travel dense",
-     "0 to compress from the first step"),
+     "0 to compress from the first step (2-bit layers need no warm-up; top-k conv "
+     "layers do)"),
     ("momentum_correction", "'auto'", "with MXNet's SGD and momentum, compress the "
      "velocity and correct the aggregate (DGC)", "False for plain error feedback"),
     ("cost_model", "'auto'", "measure the network and codecs at start-up, plan by "

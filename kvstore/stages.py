@@ -23,9 +23,18 @@ first:
   of this step's input; the rest is dropped. Why: the residual is what error feedback
   delivers late, and near the edge of stability a late delivery is what tips a run
   over (a filter that waited 20 steps lands as one 20-step burst, amplified by
-  momentum). Bounded so, what any row receives late is at most one step of its own
-  current update, the size of a step dense training takes anyway; what is dropped is
-  the part of old gradients the codec could not keep up with.
+  momentum). Why it holds: with ||r_i|| <= ||u_i|| after every step (u the step's
+  input), what row i can send at the next step is at most ||u'_i|| + ||u_i||: this
+  step's input and one step's backlog, never a burst of many. The update a row
+  receives is then within twice the one dense training applies at the same step, so
+  the delay cannot amplify itself through momentum. Under momentum correction u is
+  the velocity, which already carries the momentum; under Adam or LARS it is the
+  gradient, which those optimizers normalise again. What is dropped is the part of
+  old gradients the codec could not keep up with (error feedback stops conserving
+  the sum exactly, as with DGC's local clipping). Measured: conv_net (no BatchNorm,
+  lr 0.05 constant) in one process, 5 seeds: 96.4% mean / 93.3% worst without the
+  bound, 98.0% / 96.0% with it, dense 98.5% / 97.6%; with the bound, 2-bit layers need
+  no warm-up (top-k layers still do: ``warmup_steps``).
 * MomentumCorrection (kvstore.momentum): with MXNet's momentum SGD, the codec sends
   the velocity, and the aggregate is corrected so that the optimizer's momentum does
   not apply twice. Only where a Trainer's step gives a momentum.
