@@ -189,6 +189,27 @@ def test_accuracy_study_smoke(tmp_path):
     assert (tmp_path / "accuracy_curves.png").is_file()
 
 
+def test_accuracy_study_in_one_process(tmp_path):
+    """--servers 0: W = 1, one process over two devices, no job: dense is MXNet's
+    'device' store, hylo the in-process store (it compresses, as one worker would);
+    both start from the same weights and data (the same first evaluation)."""
+    out = tmp_path / "report.json"
+    rc, log = _run([sys.executable, "-m", "mxhylo.bench", "accuracy", "--seeds", "1",
+                    "--nets", "digits_net", "--lrs", "0.05", "--epochs", "2",
+                    "--short-epochs", "2", "--lr-schedule", "constant",
+                    "--modes", "dense,hylo", "--workers", "1", "--servers", "0",
+                    "--plots-dir", "", "--json", str(out)], timeout=300)
+    assert rc == 0, log[-4000:]
+    runs = [json.loads(l) for l in open(str(out) + ".runs.jsonl")]
+    by = {r["mode"]: r for r in runs}
+    assert by["dense"]["workers"] == by["hylo"]["workers"] == 1
+    assert by["dense"]["curve"][0] == by["hylo"]["curve"][0]
+    assert by["hylo"]["bytes_per_step"] < by["dense"]["bytes_per_step"]    # compressed
+    rc, log = _run([sys.executable, "-m", "mxhylo.bench", "accuracy", "--workers", "2",
+                    "--servers", "0", "--json", str(out)], timeout=120)
+    assert rc != 0 and "--servers 0 is one process" in log
+
+
 def _fake_run(net, lr, mode, seed, epochs, curve):
     return {"net": net, "lr": lr, "mode": mode, "seed": seed, "epochs": epochs,
             "curve": curve, "steps_per_epoch": 10, "rank_checksums": [1.0, 1.0],

@@ -72,6 +72,7 @@ COLORS = {"dense": "tab:blue", "2bit": "tab:orange", "hylo": "tab:red",
 HYLO_OPTIONS = {"hylo": {"cost_model": False}, "hylo_densepull": {"compress_pull": False},
                 "hylo_nomc": {"momentum_correction": False, "cost_model": False}}
 DEFAULT_NETS = ("digits_net", "conv_net", "resnet20")
+IN_PROCESS_DEVICES = 2          # --servers 0: one process, cpu(0) and cpu(1)
 TARGET_FRACTION = 0.95          # of dense's mean final accuracy
 MAX_GAP_POINTS = 0.5
 MAX_STEPS_RATIO = 1.25
@@ -103,7 +104,10 @@ def add_arguments(parser):
     parser.add_argument("--eval-every", type=int, default=5,
                         help="steps between test evaluations (5)")
     parser.add_argument("--workers", type=int, default=4, help="workers per job (4)")
-    parser.add_argument("--servers", type=int, default=2, help="servers per job (2)")
+    parser.add_argument("--servers", type=int, default=2,
+                        help="servers per job (2); 0: no job, one process over %d devices "
+                             "(with --workers 1): dense is MXNet's 'device' store, the hylo "
+                             "modes the in-process store" % 2)
     parser.add_argument("--batch-size", type=int, default=32, help="per worker (32)")
     parser.add_argument("--threshold", type=float, default=2.0,
                         help="2bit mode: MXNet's quantization threshold (2.0)")
@@ -145,12 +149,16 @@ def _config(args):
                          % (",".join(NETS), args.nets))
     if not cfg["lrs"] or min(cfg["lrs"]) <= 0:
         raise SystemExit("accuracy: --lrs must be positive numbers, got %r" % args.lrs)
-    if min(args.seeds, args.epochs, args.short_epochs, args.workers, args.servers,
+    if min(args.seeds, args.epochs, args.short_epochs, args.workers,
            args.eval_every, args.batch_size) < 1 or args.short_epochs > args.epochs \
-            or not 0 <= args.warmup_epochs < args.short_epochs:
+            or not 0 <= args.warmup_epochs < args.short_epochs or args.servers < 0:
         raise SystemExit("accuracy: --seeds, --epochs, --short-epochs (<= --epochs), "
-                         "--eval-every, --workers, --servers, --batch-size must be >= 1, "
-                         "--warmup-epochs in [0, --short-epochs)")
+                         "--eval-every, --workers, --batch-size must be >= 1, --servers "
+                         ">= 0, --warmup-epochs in [0, --short-epochs)")
+    if args.servers == 0 and (args.workers != 1 or "2bit" in cfg["modes"]):
+        raise SystemExit("accuracy: --servers 0 is one process over %d devices (W = 1): "
+                         "it needs --workers 1 and no 2bit mode (MXNet's dist_sync only)"
+                         % IN_PROCESS_DEVICES)
     return cfg
 
 
@@ -229,10 +237,13 @@ def launch_job(cfg, net, lr, mode, seed, epochs, tmp, timeout):
               "--batch-size", str(cfg["batch_size"]), "--lr", str(lr),
               "--threshold", str(cfg["threshold"]),
               "--hylo-options", json.dumps(cfg.get("hylo_options", {})), "--out", out]
-    # One OpenMP thread per process: W workers and S servers share the machine's cores.
-    cmd = [sys.executable, "-m", "mxhylo.launch", "-n", str(cfg["workers"]),
-           "-s", str(cfg["servers"]), "--timeout", str(timeout),
-           "--env", "OMP_NUM_THREADS:1"] + worker
+    if cfg["servers"] == 0:             # one process over IN_PROCESS_DEVICES devices
+        cmd = worker + ["--devices", str(IN_PROCESS_DEVICES)]
+    else:
+        # One OpenMP thread per process: W workers and S servers share the machine's cores.
+        cmd = [sys.executable, "-m", "mxhylo.launch", "-n", str(cfg["workers"]),
+               "-s", str(cfg["servers"]), "--timeout", str(timeout),
+               "--env", "OMP_NUM_THREADS:1"] + worker
     t0 = time.time()
     res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          timeout=timeout + 60)
@@ -488,6 +499,9 @@ def _worker_parser():
     p.add_argument("--hylo-options", default="{}",
                    help="JSON object of mxhylo.create options under the mode's own")
     p.add_argument("--out", required=True, help="result JSON; {rank} is the worker rank")
+    p.add_argument("--devices", type=int, default=0,
+                   help="0: a worker of a parameter-server job; N: one process over cpu(0) "
+                        ".. cpu(N-1), no job (the batch is split over the devices)")
     return p
 
 
@@ -498,14 +512,16 @@ def worker_main(argv=None):
     import mxhylo
     from mxhylo import digits
 
+    one_process = args.devices > 0
     if args.mode == "dense":
-        kv = mx.kv.create("dist_sync")
+        kv = "device" if one_process else mx.kv.create("dist_sync")
     elif args.mode == "2bit":
         kv = PushThenPull(args.threshold)
     else:
         options = dict(json.loads(args.hylo_options), **HYLO_OPTIONS[args.mode])
-        kv = mxhylo.create("dist_sync_hylo", **options)
-    result = digits.train(kvstore=kv, contexts=[mx.cpu(0)], epochs=args.epochs,
+        kv = mxhylo.create("hylo" if one_process else "dist_sync_hylo", **options)
+    contexts = [mx.cpu(i) for i in range(args.devices)] if one_process else [mx.cpu(0)]
+    result = digits.train(kvstore=kv, contexts=contexts, epochs=args.epochs,
                           batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                           net=args.net, eval_every=args.eval_every,
                           lr_schedule=args.lr_schedule, warmup_epochs=args.warmup_epochs)
