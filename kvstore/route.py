@@ -14,7 +14,11 @@ where kvstore.plan leaves the route on trial, the job times both on real steps:
    TRIAL_STEPS steps on the workers' route;
 3. the route whose steps were faster is kept: the median of the seconds between one
    step's start and the next one's, the first SKIPPED_STEPS of each route not counted
-   (they make keys). Going back to the servers takes FLUSH_STEPS more steps on the
+   (they make keys). A step's start is taken once MXNet's engine has finished the work
+   queued before it (mx.nd.waitall): a training loop that never waits (no asnumpy()
+   in the step) lets Python run ahead of the engine, and the servers' route, whose
+   exchange does not block Python, would otherwise be timed at Python's speed (a
+   tenth of its real step) and always win. Going back to the servers takes FLUSH_STEPS more steps on the
    workers' route with every layer dense: the first sends what the codecs held back
    (nothing is lost), after the second the optimizer's momentum is dense momentum's
    (kvstore.momentum); then a fresh set of keys on the servers takes the weights and
@@ -27,6 +31,7 @@ two moves of the weights and the optimizer's state.
 import pickle
 import time
 
+import mxnet as mx
 import numpy as np
 
 TRIAL_STEPS = 10     # compressed steps timed on the workers' route
@@ -56,6 +61,7 @@ class RouteTrial:
     def at_step(self, store, trainer):
         if self.done:
             return
+        mx.nd.waitall()         # the real step, not Python's run-ahead (module docstring)
         self.starts.append(time.perf_counter())
         step = len(self.starts) - 1         # this step's index
         if self.phase == "servers" and step == self.warmup_steps:

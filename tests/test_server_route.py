@@ -48,6 +48,29 @@ def test_the_trainers_first_step_times_nothing_and_puts_the_route_on_trial():
     assert all(d.codec == "none" for d in plan.layers)
 
 
+def test_the_trial_times_the_engines_steps_not_pythons_run_ahead():
+    """A training loop that never waits (no asnumpy() in its step) queues work in
+    MXNet's engine and comes back at once; a step's start is taken only once the work
+    queued before it is done, so both routes are timed as the engine runs them."""
+    import time
+    from mxhylo.kvstore.route import RouteTrial
+
+    trial = RouteTrial(warmup_steps=30)
+    a = mx.nd.random.uniform(shape=(1500, 1500))
+    a.wait_to_read()
+    clock = time.perf_counter()
+    for _ in range(6):
+        a = mx.nd.dot(a, a) / 1500.0        # queued: Python does not wait for it
+    queued = time.perf_counter() - clock
+    trial.at_step(store=None, trainer=None)    # (a servers' route step, no move yet)
+    started = trial.starts[0] - clock
+    clock = time.perf_counter()
+    a.wait_to_read()
+    left = time.perf_counter() - clock
+    # the start comes after the engine's work, which took longer than queueing it
+    assert left < 0.2 * started and queued < started
+
+
 # -- what refuses the servers' route ------------------------------------------------------
 
 def _trainer(kv, optimizer="sgd", params=None, dtype="float32", **trainer_kwargs):
