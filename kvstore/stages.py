@@ -20,7 +20,8 @@ first:
   the codec rather than added here.
 * BoundedResidual: after the codec, each row of the residual (an output filter of a
   conv weight, an output unit of a dense one) keeps at most the norm of the same row
-  of this step's input; the rest is dropped. Why: the residual is what error feedback
+  of this step's input times the row's mean wait (1 for 2-bit, O/k for top-k: a
+  filter sent every O/k steps holds that many steps by design); the rest is dropped. Why: the residual is what error feedback
   delivers late, and near the edge of stability a late delivery is what tips a run
   over (a filter that waited 20 steps lands as one 20-step burst, amplified by
   momentum). Why it holds: with ||r_i|| <= ||u_i|| after every step (u the step's
@@ -92,7 +93,9 @@ class BoundedResidual:
 
     def encode(self, layer, grad, step):
         payload = self.inner.encode(layer, grad, step)
-        ops.bound_rows(step.memory.residual(layer.plan.name, grad), grad, ROW_BOUND)
+        plan = layer.plan
+        ops.bound_rows(step.memory.residual(plan.name, grad), grad,
+                       ROW_BOUND * mean_wait(plan))
         return payload
 
     def finish(self, layer, aggregate, step):
@@ -100,8 +103,19 @@ class BoundedResidual:
 
 
 # what a row of the residual may hold: this many times the norm of its row of the
-# step's input (BoundedResidual)
+# step's input, times the steps the codec makes a row wait on average (BoundedResidual)
 ROW_BOUND = 1.0
+
+
+def mean_wait(plan):
+    """Steps a row of the layer waits between two sends, on average: 1 where every row
+    travels every step (2-bit), O/k for top-k's k of O filters a step. A top-k filter
+    holds its wait's worth by design; bounding it to one step (measured: time to
+    accuracy on the digits, resnet18, 6 seeds) cost 0.97 point of final accuracy
+    against dist_sync."""
+    if plan.strategy == "conv_topk":
+        return plan.shape[0] / float(plan.k)
+    return 1.0
 
 
 class MomentumCorrection:

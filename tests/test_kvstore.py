@@ -89,11 +89,12 @@ def _np_2bit(a, t):
     return q, (a - q).astype(np.float32)
 
 
-def _np_bound_rows(r, u):
-    """kvstore.stages.bound_rows in numpy: each row of r at most the norm of u's row."""
+def _np_bound_rows(r, u, wait=1.0):
+    """kvstore.stages.BoundedResidual in numpy: each row of r at most ``wait`` times the
+    norm of u's row (wait: the layer's mean wait, stages.mean_wait)."""
     rows = r.shape[0]
     held = np.sqrt((r.reshape(rows, -1).astype(np.float64) ** 2).sum(1))
-    allowed = np.sqrt((u.reshape(rows, -1).astype(np.float64) ** 2).sum(1))
+    allowed = wait * np.sqrt((u.reshape(rows, -1).astype(np.float64) ** 2).sum(1))
     scale = np.minimum(allowed / np.maximum(held, np.finfo(np.float32).tiny), 1.0)
     return (r.reshape(rows, -1) * scale[:, None]).reshape(r.shape).astype(np.float32)
 
@@ -136,7 +137,7 @@ def test_conv_topk_path_matches_numpy():
         top = np.sort(np.argsort(-norms, kind="stable")[:2])
         sent = np.zeros_like(a)
         sent[top] = a[top]
-        r = _np_bound_rows(a - sent, g)
+        r = _np_bound_rows(a - sent, g, wait=8 / 2)         # 2 of 8 filters a step
         x = nd(g)
         kv.pushpull("conv", x)
         # (the bound's norms round differently in numpy: equal to float32 rounding)
