@@ -50,5 +50,14 @@ for step in range(3):
         loss = loss_fn(net(x + hold if step == 0 else x), y)
     loss.backward()
     trainer.step(8 * kv.num_workers)
+# Wait for the engine before reading the weights. The first training forward after an
+# inference forward queues a change of each convolution weight's layout back to MXNet's
+# own *while it runs*, behind every operation already queued; this script queues all of
+# its training before that forward runs (the large product above), so a read here would
+# wait for the last update only and could read the weight while the engine changes its
+# layout (a segmentation fault in NDArray::Reorder2Default). That race is MXNet's: plain
+# MXNet with no kvstore shows it too. waitall() also waits for the operations queued
+# while others ran.
+mx.nd.waitall()
 np.savez(out + ".%d.npz" % kv.rank,
          **{name: p.data().asnumpy() for name, p in net.collect_params().items()})
