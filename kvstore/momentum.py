@@ -30,6 +30,17 @@ behind dense per step or collapse (README, "Accuracy"). DGC's remedy, done here:
   (nothing can cancel there). Gradient clipping in the optimizer sees the corrected
   values, not the raw sums.
 
+Units. The optimizer applies ``lr_t * c_t`` to what arrives at step t, whenever it was
+computed. Dense momentum SGD applies each gradient at the learning rate of its own
+step (its buffer holds ``lr_s c_s g_s`` sums). So what a layer holds between steps, its
+velocity and a compressed layer's residual, is kept in units of the coming step:
+before each step both are multiplied by ``(lr_{t-1} c_{t-1}) / (lr_t c_t)``
+(:func:`step_ratio`; the velocity through ``m`` in the same pass). A gradient held back
+T steps then reaches the weights with the learning rate of the step it was computed
+in, and where every row is sent the store's momentum SGD is MXNet's, under any
+schedule: a Dense(64) of 256 inputs, top-k sending all rows, 12 steps of a cosine
+schedule, differs from dense by 1.5e-8 (4.2e-3 when the held state kept its units).
+
 Used with gluon.Trainer's 'sgd' optimizer (momentum > 0); not with other optimizers
 (LARS rescales per layer from the gradient's norm, Adam keeps its own moments), where
 the store sends plain gradients. State (velocity, previous aggregate, previous
@@ -75,10 +86,12 @@ def step_lr(optimizer):
     return float(optimizer.lr)
 
 
-def accumulate(name, grad, memory, ctx):
-    """The velocity ``m * u + grad`` (a new float32 NDArray) of layer ``name``; ``u``
-    itself changes only in :func:`keep_velocity`, after a successful encode."""
-    return ops.momentum_velocity(grad, memory.array(name, "velocity", grad), ctx.momentum)
+def accumulate(name, grad, memory, ctx, ratio=None):
+    """The velocity ``m * ratio * u + grad`` (a new float32 NDArray) of layer ``name``,
+    ``ratio`` the :func:`step_ratio` (None: 1) that brings ``u`` to this step's units;
+    ``u`` itself changes only in :func:`keep_velocity`, after a successful encode."""
+    m = ctx.momentum if ratio is None else ctx.momentum * ratio
+    return ops.momentum_velocity(grad, memory.array(name, "velocity", grad), m)
 
 
 def keep_velocity(name, velocity, memory):
@@ -87,18 +100,28 @@ def keep_velocity(name, velocity, memory):
     memory.set_array(name, "velocity", velocity)
 
 
+def step_ratio(name, memory, ctx):
+    """(lr_{t-1} c_{t-1}) / (lr_t c_t): what one unit of layer ``name``'s gradient sum
+    was worth at its previous step, in units of this step's (None before its first
+    step; the rescale ratio alone where this step's lr is 0)."""
+    last_rescale = memory.scalar(name, "previous_rescale")
+    if last_rescale is None:
+        return None
+    ratio = last_rescale / ctx.rescale
+    last_lr = memory.scalar(name, "previous_lr")
+    if last_lr is not None and ctx.lr > 0:
+        ratio *= last_lr / ctx.lr
+    return ratio
+
+
 def correct(name, aggregate, memory, ctx):
     """Rewrite ``aggregate`` (float32 NDArray, the workers' summed velocities) in place
     into what the optimizer must receive, and remember it for the next step."""
     previous = memory.array(name, "previous_aggregate", aggregate)
-    last_rescale = memory.scalar(name, "previous_rescale")
-    last_lr = memory.scalar(name, "previous_lr")
-    if last_rescale is None:
+    ratio = step_ratio(name, memory, ctx)
+    if ratio is None:
         previous[:] = aggregate
     else:
-        ratio = last_rescale / ctx.rescale
-        if last_lr is not None and ctx.lr > 0:
-            ratio *= last_lr / ctx.lr
         ops.momentum_correct(aggregate, previous, ctx.momentum * ratio)
     memory.set_scalar(name, "previous_rescale", ctx.rescale)
     memory.set_scalar(name, "previous_lr", ctx.lr)

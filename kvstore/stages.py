@@ -120,7 +120,10 @@ def mean_wait(plan):
 
 class MomentumCorrection:
     """Compress the velocity m * u + g, and hand the optimizer the corrected aggregate
-    (kvstore.momentum). Passes through where the step has no momentum."""
+    (kvstore.momentum). Before the velocity is formed, what the layer holds (its
+    velocity and a compressed layer's residual) is brought to this step's units of
+    learning rate times rescale_grad (kvstore.momentum, "Units"). Passes through where
+    the step has no momentum."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -129,7 +132,12 @@ class MomentumCorrection:
         if step.momentum is None:
             return self.inner.encode(layer, grad, step)
         name = layer.plan.name
-        velocity = momentum_correction.accumulate(name, grad, step.memory, step.momentum)
+        ratio = momentum_correction.step_ratio(name, step.memory, step.momentum)
+        if ratio is not None and ratio != 1.0 and layer.plan.strategy != "none":
+            residual = step.memory.residual(name, grad)
+            residual *= ratio       # held back at the last step's lr: in this step's units
+        velocity = momentum_correction.accumulate(name, grad, step.memory, step.momentum,
+                                                  ratio)
         payload = self.inner.encode(layer, velocity, step)
         momentum_correction.keep_velocity(name, velocity, step.memory)
         return payload

@@ -5,7 +5,8 @@ import pytest
 from mxnet import gluon
 
 import mxhylo
-from mxhylo.kvstore import momentum
+from mxhylo.kvstore import momentum, stages
+from mxhylo.kvstore.pipeline import Layer
 from mxhylo.kvstore.memory import ResidualMemory
 
 
@@ -156,3 +157,71 @@ def test_momentum_state_checkpoint_resumes_bitwise(tmp_path):
     assert sorted(a) == sorted(b)
     for k in a:
         np.testing.assert_array_equal(a[k].asnumpy(), b[k].asnumpy(), err_msg=k)
+
+
+@pytest.mark.parametrize("strategy", ["conv_topk", "fc_2bit"])
+def test_held_gradients_keep_the_learning_rate_of_their_step(strategy, monkeypatch):
+    """Under a changing learning rate and rescale_grad, what the stages have sent, each
+    step's send at its lr_t * c_t, plus the residual at the last step's, is exactly dense
+    momentum SGD's total update (the sum of its buffers B_t = m B_{t-1} + lr_t c_t g_t):
+    velocity and residual are kept in the coming step's units (kvstore.momentum,
+    "Units"). The bound is off: it drops what it cuts, by design."""
+    monkeypatch.setattr(stages, "ROW_BOUND", 1e30)
+    rng = np.random.RandomState(3)
+    m = 0.9
+    lrs = [0.1, 0.09, 0.07, 0.05, 0.05, 0.03, 0.02, 0.01, 0.004, 0.001]
+    rescales = [0.5] * 6 + [0.25] + [0.5] * 3
+    if strategy == "conv_topk":
+        plan, _ = _conv_layer(conv_rate=0.125)
+        kv = mxhylo.create(size_threshold=10, conv_rate=0.125, warmup_steps=0)
+    else:
+        kv = mxhylo.create(size_threshold=10, warmup_steps=0)
+        plan = kv.policy.plan("fc", (6, 20))
+    assert plan.strategy == strategy
+    memory = ResidualMemory()
+    layer = Layer(0, plan, stages.chain(plan, kv.compressors, 0, memory))
+    buffer, dense_total = np.zeros(plan.shape), np.zeros(plan.shape)
+    applied = np.zeros(plan.shape)
+    for lr, c in zip(lrs, rescales):
+        g = rng.normal(size=plan.shape).astype(np.float32)
+        buffer = m * buffer + lr * c * g.astype(np.float64)
+        dense_total += buffer
+        step = stages.Step(memory, momentum.MomentumContext(m, c, lr))
+        payload = layer.stages.encode(layer, mx.nd.array(g), step)
+        sent = mx.nd.zeros(plan.shape)
+        kv.compressors[strategy].decode(payload, sent)
+        applied += lr * c * sent.asnumpy()
+        layer.stages.finish(layer, sent, step)
+    held = lrs[-1] * rescales[-1] * memory.get(plan.name).asnumpy()
+    np.testing.assert_allclose(applied + held, dense_total, rtol=1e-5, atol=1e-6)
+
+
+def _scheduled_trainer(kv, steps=12, seed=0):
+    """A Dense(64) on 256 inputs trained ``steps`` steps of a cosine schedule (momentum
+    SGD) through ``kv`` (None: no store); its parameters."""
+    mx.random.seed(seed)
+    rng = np.random.RandomState(seed)
+    net = gluon.nn.Dense(64, in_units=256, prefix="fc_")
+    net.initialize(mx.init.Xavier())
+    sched = mx.lr_scheduler.CosineScheduler(max_update=steps + 4, base_lr=0.1, final_lr=0.0)
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1,
+                            "momentum": 0.9, "lr_scheduler": sched}, kvstore=kv)
+    for _ in range(steps):
+        x = mx.nd.array(rng.normal(size=(8, 256)))
+        with mx.autograd.record():
+            loss = (net(x) ** 2).mean()
+        loss.backward()
+        trainer.step(8)
+    return {k: p.data().asnumpy() for k, p in net.collect_params().items()}
+
+
+def test_a_store_sending_every_row_is_mxnet_momentum_sgd_under_a_schedule():
+    """Top-k at k = every filter sends the whole velocity every step: under a cosine
+    schedule the weights are plain momentum SGD's to float32 rounding (the velocity
+    kept in the step's units; with it kept in gradient units they differ by 4e-3)."""
+    dense = _scheduled_trainer(None)
+    every_row = _scheduled_trainer(mxhylo.create(policy={"fc_weight": "conv_topk"},
+                                                 conv_rate=1.0, warmup_steps=0))
+    for name in dense:
+        np.testing.assert_allclose(every_row[name], dense[name], rtol=1e-5, atol=1e-7,
+                                   err_msg=name)
