@@ -120,7 +120,7 @@ def group_members(pgid):
 CHECK_MARK = "Check failed:"
 
 
-def _make_pdeathsig():
+def die_with_parent():
     """preexec function: the child gets SIGKILL if the launcher dies (Linux prctl).
 
     A safety net for the case no handler can catch (the launcher itself SIGKILLed):
@@ -171,7 +171,7 @@ class Child:
             self.argv, env=self.env, start_new_session=True,
             stdin=subprocess.PIPE if self.keep_stdin else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            preexec_fn=_make_pdeathsig())
+            preexec_fn=die_with_parent())
         return self
 
     def poll(self):

@@ -210,6 +210,66 @@ def test_accuracy_study_in_one_process(tmp_path):
     assert rc != 0 and "--servers 0 is one process" in log
 
 
+def _descendants(pid):
+    """Pids of every live process below ``pid`` (from /proc: parent links)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open("/proc/%s/stat" % entry) as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_stopped_accuracy_study_leaves_no_process(tmp_path):
+    """SIGTERM to `bench accuracy` while a job trains ends the job too: its launcher
+    and every role (the job dies with the study, as a job dies with its launcher)."""
+    import signal
+    import time
+    cmd = [sys.executable, "-m", "mxhylo.bench", "accuracy", "--seeds", "1", "--nets",
+           "digits_net", "--lrs", "0.05", "--epochs", "40", "--short-epochs", "40",
+           "--lr-schedule", "constant", "--modes", "dense", "--workers", "2",
+           "--servers", "1", "--plots-dir", "", "--json", str(tmp_path / "r.json")]
+    study = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    job = []
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and len(job) < 5:     # launcher + 4 roles
+            time.sleep(0.5)
+            job = _descendants(study.pid)
+        assert len(job) >= 5, "the study's job did not start: %s" % job
+        study.send_signal(signal.SIGTERM)
+        study.wait(timeout=30)
+        deadline = time.time() + 30
+        while time.time() < deadline and any(_alive(p) for p in job):
+            time.sleep(0.5)
+        assert not [p for p in job if _alive(p)], "left behind: %s" % job
+    finally:
+        if study.poll() is None:
+            study.kill()
+        for pid in job:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def _fake_run(net, lr, mode, seed, epochs, curve):
     return {"net": net, "lr": lr, "mode": mode, "seed": seed, "epochs": epochs,
             "curve": curve, "steps_per_epoch": 10, "rank_checksums": [1.0, 1.0],

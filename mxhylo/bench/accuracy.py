@@ -57,6 +57,7 @@ import time
 
 import numpy as np
 
+from .. import procs
 from ..digits import LR_SCHEDULES
 from .comm import parse_hylo_options
 from .native_store import WorkerUpdateStore
@@ -245,8 +246,9 @@ def launch_job(cfg, net, lr, mode, seed, epochs, tmp, timeout):
                "-s", str(cfg["servers"]), "--timeout", str(timeout),
                "--env", "OMP_NUM_THREADS:1"] + worker
     t0 = time.time()
+    # the job ends with this process, however it ends (a SIGTERM to the study included)
     res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         timeout=timeout + 60)
+                         timeout=timeout + 60, preexec_fn=procs.die_with_parent())
     if res.returncode != 0:
         raise RuntimeError("accuracy: %s failed (exit %d):\n%s"
                            % (_run_id(cfg, net, lr, mode, seed, epochs), res.returncode,
