@@ -97,7 +97,7 @@ def test_error_feedback_delivers_dense_momentum(strategy):
 
 
 def _trainer_steps(kv, steps, seed=0, optimizer="sgd", opts=None):
-    """A Dense(64) on 16 inputs trained a few steps through ``kv``; returns weights."""
+    """A Dense(64) on 256 inputs trained a few steps through ``kv``; returns weights."""
     mx.random.seed(seed)
     rng = np.random.RandomState(seed)
     net = gluon.nn.Dense(64, in_units=256, prefix="fc_")
@@ -196,31 +196,20 @@ def test_held_gradients_keep_the_learning_rate_of_their_step(strategy, monkeypat
     np.testing.assert_allclose(applied + held, dense_total, rtol=1e-5, atol=1e-6)
 
 
-def _scheduled_trainer(kv, steps=12, seed=0):
-    """A Dense(64) on 256 inputs trained ``steps`` steps of a cosine schedule (momentum
-    SGD) through ``kv`` (None: no store); its parameters."""
-    mx.random.seed(seed)
-    rng = np.random.RandomState(seed)
-    net = gluon.nn.Dense(64, in_units=256, prefix="fc_")
-    net.initialize(mx.init.Xavier())
+def _scheduled(kv, steps=12):
+    """_trainer_steps' parameters after ``steps`` steps of a cosine schedule."""
     sched = mx.lr_scheduler.CosineScheduler(max_update=steps + 4, base_lr=0.1, final_lr=0.0)
-    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1,
-                            "momentum": 0.9, "lr_scheduler": sched}, kvstore=kv)
-    for _ in range(steps):
-        x = mx.nd.array(rng.normal(size=(8, 256)))
-        with mx.autograd.record():
-            loss = (net(x) ** 2).mean()
-        loss.backward()
-        trainer.step(8)
-    return {k: p.data().asnumpy() for k, p in net.collect_params().items()}
+    params, _ = _trainer_steps(kv, steps, opts={"learning_rate": 0.1, "momentum": 0.9,
+                                                "lr_scheduler": sched})
+    return params
 
 
 def test_a_store_sending_every_row_is_mxnet_momentum_sgd_under_a_schedule():
     """Top-k at k = every filter sends the whole velocity every step: under a cosine
     schedule the weights are plain momentum SGD's to float32 rounding (the velocity
     kept in the step's units; with it kept in gradient units they differ by 4e-3)."""
-    dense = _scheduled_trainer(None)
-    every_row = _scheduled_trainer(mxhylo.create(policy={"fc_weight": "conv_topk"},
+    dense = _scheduled(None)
+    every_row = _scheduled(mxhylo.create(policy={"fc_weight": "conv_topk"},
                                                  conv_rate=1.0, warmup_steps=0))
     for name in dense:
         np.testing.assert_allclose(every_row[name], dense[name], rtol=1e-5, atol=1e-7,
