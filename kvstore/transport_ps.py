@@ -349,6 +349,8 @@ class PSTransport(Transport):
         piece = p.flat[chunk.offset:chunk.offset + chunk.size]
         if chunk.pull == "none":
             piece[:] = rows[:chunk.size]
+        elif chunk.kind == "slots":
+            self._codecs[chunk.codec].decode_slots(rows, chunk, piece)
         else:
             # decoded in rank order, as the server decodes a dense pull: bitwise equal
             target = piece.reshape((chunk.rows_filters, chunk.cols)) \
@@ -403,11 +405,15 @@ class PSTransport(Transport):
                 pushes.append(empty_push(c.layout) if a == b else
                               push_rows(c.layout, indices[a:b], values[a:b]))
             return pushes
-        data = codec.to_bytes(payload)
+        # the bytes of each chunk, as elements of the payload's array (byte spans start
+        # and end on whole elements: kvstore.wire cuts layers at multiples of 16)
+        flat = payload.arrays[0].reshape((-1,))
+        item = np.dtype(flat.dtype).itemsize
         pushes = []
         for c in chunks:
             a, b = codec.byte_span(c.layout.lo, c.layout.hi)
-            pushes.append(push_slot(c.layout, self.rank, data[a:b], payload.scalars))
+            pushes.append(push_slot(c.layout, self.rank, flat[a // item:b // item],
+                                    payload.scalars))
         return pushes
 
     @staticmethod

@@ -72,3 +72,13 @@ def momentum_correct(aggregate, previous, factor_text):
 def bound_rows(residual, grad, bound_text):
     # in place: MXNet hands `residual` to the op as a mutated input
     return mx.nd.hylo_bound_rows(residual, grad, bound=bound_text)
+
+
+def pack_slot(data, scalars_text, length):
+    return mx.nd.hylo_pack_bytes(data.reshape((-1,)), scalars=scalars_text, length=str(length))
+
+
+def dequantize_slots(values, slots, per_slot, shape, out):
+    return mx.nd.hylo_dequantize_slots(values.reshape((-1,)), slots=str(slots),
+                                       per_slot=str(per_slot),
+                                       shape=_checks.shape_text(shape), out=out)

@@ -303,3 +303,95 @@ def _bound_rows(residual, grad, bound):
             cut += 1
     residual[:] = r.reshape(residual.shape)
     return mx.nd.array([cut], ctx=residual.context, dtype=np.float32)
+
+
+# -- slot packing (the format of mxhylo.kvstore.wire: a payload's bytes in float32
+# values the servers sum with zeros) ---------------------------------------------
+
+_WORD_MASK = (1 << 30) - 1    # 30 payload bits per float32 value
+
+
+def pack_bytes(data):
+    """Payload bytes (uint8) -> float32 values, 30 bits each (15 bytes in 4 values).
+
+    Each value is a *normal* float32: bit 29 of the 30 goes to the sign, bits 23-28 to
+    the exponent field plus one (1..64: never zero, Inf or NaN), bits 0-22 to the
+    mantissa. A normal number plus zero is that number, bit for bit, in every rounding
+    and flush-to-zero mode, so the servers' sum of other workers' empty slots cannot
+    alter a payload; zeros, denormals, Inf and NaN, which raw bit patterns would
+    produce, could be altered or canonicalised. 3.75 payload bytes per value (24-bit
+    integers carried 3). Read by :func:`unpack_bytes`.
+    """
+    pad = (-len(data)) % 15
+    groups = np.zeros((-(-len(data) // 15), 16), np.uint8)
+    flat = np.concatenate([data, np.zeros(pad, np.uint8)]) if pad else data
+    groups[:, :15] = flat.reshape(-1, 15)
+    lo, hi = groups.view("<u8").T                     # bits 0-63 and 64-119 of a group
+    mask = np.uint64(_WORD_MASK)
+    words = np.empty((len(lo), 4), np.uint64)
+    words[:, 0] = lo & mask
+    words[:, 1] = (lo >> np.uint64(30)) & mask
+    words[:, 2] = ((lo >> np.uint64(60)) | (hi << np.uint64(4))) & mask
+    words[:, 3] = (hi >> np.uint64(26)) & mask
+    w = words.reshape(-1).astype(np.uint32)
+    bits = ((w >> 29) << 31) | ((((w >> 23) & 0x3F) + 1) << 23) | (w & 0x7FFFFF)
+    return bits.view(np.float32)
+
+
+def unpack_bytes(values, n_bytes):
+    """Inverse of pack_bytes: float32 values (a multiple of 4 of them, or the first of
+    a slot's values) -> the first n_bytes (uint8)."""
+    n_values = 4 * -(-n_bytes // 15)
+    bits = np.ascontiguousarray(values[:n_values], np.float32).view(np.uint32)
+    exponent = (bits >> 23) & 0xFF
+    if bits.size and (exponent.min() < 1 or exponent.max() > 64):
+        raise ValueError("a slot payload value is not one pack_bytes writes (exponent "
+                         "field %d..%d): the payload was altered on the way"
+                         % (exponent.min(), exponent.max()))
+    w = ((bits >> 31) << 29) | ((exponent - 1) << 23) | (bits & 0x7FFFFF)
+    w = w.astype(np.uint64).reshape(-1, 4)
+    groups = np.empty((len(w), 2), np.uint64)
+    groups[:, 0] = w[:, 0] | (w[:, 1] << np.uint64(30)) | (w[:, 2] << np.uint64(60))
+    groups[:, 1] = (w[:, 2] >> np.uint64(4)) | (w[:, 3] << np.uint64(26))
+    return groups.view(np.uint8).reshape(-1, 16)[:, :15].reshape(-1)[:n_bytes]
+
+
+def pack_slot(data, scalars, length):
+    """See mxhylo.ops.pack_slot."""
+    texts, length = _checks.slot_args(data, scalars, length)
+    return _pack_slot(data, [float(t) for t in texts], length)
+
+
+def dequantize_slots(values, slots, per_slot, shape, out=None):
+    """See mxhylo.ops.dequantize_slots."""
+    slots, per_slot, shape = _checks.slots_args(values, slots, per_slot, shape, out)
+    return _dequantize_slots(values, slots, per_slot, shape, out)
+
+
+def _pack_slot(data, scalars, length):
+    """See mxhylo.ops.pack_slot (scalars already float32 values)."""
+    packed = pack_bytes(data.asnumpy().reshape(-1).view(np.uint8))
+    values = np.zeros(length, np.float32)
+    values[:len(scalars)] = scalars
+    values[len(scalars):len(scalars) + len(packed)] = packed
+    return mx.nd.array(values, ctx=data.context)
+
+
+def _dequantize_slots(values, slots, per_slot, shape, out):
+    """See mxhylo.ops.dequantize_slots."""
+    n_bytes = 4 * _checks.num_words(int(np.prod(shape)))
+    flat = values.asnumpy().reshape(-1)
+    total = mx.nd.zeros(shape, ctx=values.context)
+    for w in range(slots):
+        slot = flat[w * per_slot:(w + 1) * per_slot]
+        t = float(slot[0])
+        if not (np.isfinite(t) and t > 0):
+            raise ValueError("dequantize_slots: slot %d sends value %r, not a finite float "
+                             "> 0" % (w, t))
+        codes = unpack_bytes(slot[1:], n_bytes).view(np.int32)
+        _dequantize_2bit(mx.nd.array(codes, dtype=np.int32, ctx=values.context), t, shape,
+                         total, accumulate=True)
+    if out is None:
+        return total
+    out[:] = total
+    return out

@@ -14,6 +14,11 @@
 //       -> indices int32 (max(k,1),), values f32 (max(k,1), F), stats f32 (2,)
 //   hylo_scatter_kernels(indices int32 (k,), values f32 (k,F); shape) -> dense f32
 //   hylo_scatter_kernels_add(indices, values, acc f32) -> acc with rows += values
+//   hylo_pack_bytes(data int32|f32|f16|uint8; scalars, length) -> values f32 (length,)
+//       the header scalars, then data's bytes 30 bits per normal float32, then 0
+//   hylo_dequantize_slots(values f32 (slots * per_slot,); slots, per_slot, shape)
+//       -> out f32 shape: the sum, in slot order from +0, of every slot's 2-bit
+//       payload (its value, then its codes as hylo_pack_bytes wrote them)
 // The *_add operators are called with out=acc: MXNet then hands the same
 // buffer as input and output, so only the touched data is read and written.
 // Python (mxhylo/ops/__init__.py) validates arguments first and handles the
@@ -1259,6 +1264,215 @@ MXReturnValue mutate_first(const Attrs&, std::vector<int>* idx) {
   return MX_SUCCESS;
 }
 
+// ===================================================== slot packing
+// A slot of a parameter-server key carries a payload's bytes in float32 values
+// the servers sum with other workers' zeros: 15 bytes in 4 values, 30 bits
+// each, every value a normal float32 (bit 29 of the 30 to the sign, bits 23-28
+// to the exponent field plus one, 1..64, bits 0-22 to the mantissa), so that
+// x + 0 is x bit for bit in every rounding mode. The format of
+// mxhylo/kvstore/wire.py (pack_bytes); the NumPy oracle is
+// mxhylo/ops/reference.py.
+const uint64_t kWordMask = (1ull << 30) - 1;
+
+inline float word_to_value(uint64_t w) {
+  const uint32_t v = static_cast<uint32_t>(w);
+  const uint32_t bits = ((v >> 29) << 31) | ((((v >> 23) & 0x3Fu) + 1u) << 23) | (v & 0x7FFFFFu);
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline int64_t packed_values(int64_t n_bytes) { return 4 * ((n_bytes + 14) / 15); }
+
+// bytes[0, n) -> out[0, packed_values(n)): 15 bytes (zero padded) per 4 values
+void pack_all(const uint8_t* bytes, int64_t n, float* out) {
+  for (int64_t at = 0, o = 0; at < n; at += 15, o += 4) {
+    uint8_t group[16] = {0};
+    std::memcpy(group, bytes + at, static_cast<size_t>(std::min<int64_t>(15, n - at)));
+    uint64_t lo = 0, hi = 0;
+    for (int j = 7; j >= 0; --j) lo = (lo << 8) | group[j];
+    for (int j = 14; j >= 8; --j) hi = (hi << 8) | group[j];
+    out[o] = word_to_value(lo & kWordMask);
+    out[o + 1] = word_to_value((lo >> 30) & kWordMask);
+    out[o + 2] = word_to_value(((lo >> 60) | (hi << 4)) & kWordMask);
+    out[o + 3] = word_to_value((hi >> 26) & kWordMask);
+  }
+}
+
+// values[0, packed_values(n)) -> bytes[0, n); false (nothing promised about
+// bytes) if a value is not one pack_all writes
+bool unpack_all(const float* values, int64_t n, uint8_t* bytes) {
+  for (int64_t at = 0, i = 0; at < n; at += 15, i += 4) {
+    uint64_t w[4];
+    for (int j = 0; j < 4; ++j) {
+      uint32_t b;
+      std::memcpy(&b, values + i + j, sizeof(b));
+      const uint32_t e = (b >> 23) & 0xFFu;
+      if (e < 1u || e > 64u) return false;
+      w[j] = ((b >> 31) << 29) | ((e - 1u) << 23) | (b & 0x7FFFFFu);
+    }
+    const uint64_t lo = w[0] | (w[1] << 30) | (w[2] << 60);
+    const uint64_t hi = (w[2] >> 4) | (w[3] << 26);
+    uint8_t group[16];
+    for (int j = 0; j < 8; ++j) group[j] = static_cast<uint8_t>(lo >> (8 * j));
+    for (int j = 0; j < 8; ++j) group[8 + j] = static_cast<uint8_t>(hi >> (8 * j));
+    std::memcpy(bytes + at, group, static_cast<size_t>(std::min<int64_t>(15, n - at)));
+  }
+  return true;
+}
+
+int dtype_bytes(int t) {
+  return t == kInt32 || t == kFloat32 ? 4 : t == kFloat16 ? 2 : t == kUint8 ? 1 : 0;
+}
+
+// "1.5,2" -> {1.5f, 2.f}; "" -> {}
+bool parse_scalars(const Attrs& attrs, std::vector<float>* v) {
+  std::string s;
+  if (!get_attr(attrs, "scalars", &s)) return false;
+  v->clear();
+  std::istringstream in(s);
+  in.imbue(std::locale::classic());
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    std::istringstream one(item);
+    one.imbue(std::locale::classic());
+    float x = 0.f;
+    one >> x;
+    if (one.fail() || !is_finite(x)) {
+      MX_ERROR_MSG << "hylo_pack_bytes: scalars must be finite floats, got '" << s << "'";
+      return false;
+    }
+    v->push_back(x);
+  }
+  return true;
+}
+
+MXReturnValue pack_parse(const Attrs& attrs, int* nin, int* nout) {
+  std::vector<float> scalars;
+  int64_t length;
+  if (!parse_scalars(attrs, &scalars) || !parse_int(attrs, "length", &length)) return MX_FAIL;
+  *nin = 1;
+  *nout = 1;
+  return MX_SUCCESS;
+}
+
+MXReturnValue pack_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
+  if (!dtype_bytes((*in)[0])) {
+    MX_ERROR_MSG << "hylo_pack_bytes: data must be int32, float32, float16 or uint8";
+    return MX_FAIL;
+  }
+  (*out)[0] = kFloat32;
+  return MX_SUCCESS;
+}
+
+MXReturnValue pack_shape(const Attrs& attrs, std::vector<std::vector<unsigned int> >* in,
+                         std::vector<std::vector<unsigned int> >* out) {
+  std::vector<float> scalars;
+  int64_t length;
+  if (!expect_inputs(*in, 1, "hylo_pack_bytes") || !parse_scalars(attrs, &scalars) ||
+      !parse_int(attrs, "length", &length))
+    return MX_FAIL;
+  if (length < 1) {
+    MX_ERROR_MSG << "hylo_pack_bytes: length must be >= 1";
+    return MX_FAIL;
+  }
+  (*out)[0] = dims({length});
+  return MX_SUCCESS;
+}
+
+MXReturnValue pack_forward(const Attrs& attrs, std::vector<MXTensor>* in,
+                           std::vector<MXTensor>* out, const OpResource&) {
+  std::vector<float> scalars;
+  int64_t length;
+  if (!parse_scalars(attrs, &scalars) || !parse_int(attrs, "length", &length)) return MX_FAIL;
+  const MXTensor& data = (*in)[0];
+  const int64_t n_bytes = data.size() * dtype_bytes(data.dtype);
+  const int64_t s = static_cast<int64_t>(scalars.size());
+  if (s + packed_values(n_bytes) > length) {
+    MX_ERROR_MSG << "hylo_pack_bytes: " << s << " scalars and " << n_bytes << " bytes need "
+                 << s + packed_values(n_bytes) << " values, length is " << length;
+    return MX_FAIL;
+  }
+  float* o = (*out)[0].data<float>();
+  for (int64_t i = 0; i < s; ++i) o[i] = scalars[i];
+  pack_all(static_cast<const uint8_t*>(data.data_ptr), n_bytes, o + s);
+  const int64_t end = s + packed_values(n_bytes);
+  std::fill(o + end, o + length, 0.f);
+  return MX_SUCCESS;
+}
+
+// 2-bit payloads gathered from every worker's slot: slot w is
+// values[w * per_slot, (w + 1) * per_slot): its value, then its int32 codes
+// (ceil(n/16) words, little-endian bytes) packed by hylo_pack_bytes.
+MXReturnValue slots_parse(const Attrs& attrs, int* nin, int* nout) {
+  int64_t slots, per_slot;
+  std::vector<unsigned int> shape;
+  if (!parse_int(attrs, "slots", &slots) || !parse_int(attrs, "per_slot", &per_slot) ||
+      !parse_shape(attrs, &shape))
+    return MX_FAIL;
+  *nin = 1;
+  *nout = 1;
+  return MX_SUCCESS;
+}
+
+MXReturnValue slots_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
+  if ((*in)[0] != kFloat32) {
+    MX_ERROR_MSG << "hylo_dequantize_slots: values must be float32";
+    return MX_FAIL;
+  }
+  (*out)[0] = kFloat32;
+  return MX_SUCCESS;
+}
+
+MXReturnValue slots_shape(const Attrs& attrs, std::vector<std::vector<unsigned int> >* in,
+                          std::vector<std::vector<unsigned int> >* out) {
+  int64_t slots, per_slot;
+  std::vector<unsigned int> shape;
+  if (!expect_inputs(*in, 1, "hylo_dequantize_slots") || !parse_int(attrs, "slots", &slots) ||
+      !parse_int(attrs, "per_slot", &per_slot) || !parse_shape(attrs, &shape))
+    return MX_FAIL;
+  const int64_t n_bytes = 4 * ((shape_size(shape) + 15) / 16);
+  if (slots < 1 || 1 + packed_values(n_bytes) > per_slot ||
+      shape_size((*in)[0]) < slots * per_slot) {
+    MX_ERROR_MSG << "hylo_dequantize_slots: " << shape_size((*in)[0]) << " values cannot hold "
+                 << slots << " slots of " << per_slot << " values each carrying "
+                 << 1 + packed_values(n_bytes) << " (a value and the codes)";
+    return MX_FAIL;
+  }
+  (*out)[0] = shape;
+  return MX_SUCCESS;
+}
+
+MXReturnValue slots_forward(const Attrs& attrs, std::vector<MXTensor>* in,
+                            std::vector<MXTensor>* out, const OpResource&) {
+  int64_t slots, per_slot;
+  if (!parse_int(attrs, "slots", &slots) || !parse_int(attrs, "per_slot", &per_slot))
+    return MX_FAIL;
+  const float* values = (*in)[0].data<float>();
+  float* o = (*out)[0].data<float>();
+  const int64_t n = (*out)[0].size();
+  const int64_t words = (n + 15) / 16;
+  std::vector<uint32_t> codes(static_cast<size_t>(words));
+  std::fill(o, o + n, 0.f);  // the sum starts at +0, as zeros then adds do
+  for (int64_t w = 0; w < slots; ++w) {
+    const float* slot = values + w * per_slot;
+    if (!unpack_all(slot + 1, 4 * words, reinterpret_cast<uint8_t*>(codes.data()))) {
+      MX_ERROR_MSG << "hylo_dequantize_slots: slot " << w << " holds a value hylo_pack_bytes "
+                   << "never writes (exponent field outside 1..64): the payload was altered "
+                   << "on the way";
+      return MX_FAIL;
+    }
+    const float t = slot[0];
+    if (!(t > 0.f) || !is_finite(t)) {
+      MX_ERROR_MSG << "hylo_dequantize_slots: slot " << w << " sends value " << t
+                   << ", not a finite float > 0";
+      return MX_FAIL;
+    }
+    dequantize_all<1>(codes.data(), o, n, t);
+  }
+  return MX_SUCCESS;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- registry
@@ -1324,6 +1538,18 @@ REGISTER_OP(hylo_bound_rows)
     .setInferShape(bound_shape)
     .setMutateInputs(mutate_first)
     .setForward(bound_forward, "cpu");
+
+REGISTER_OP(hylo_pack_bytes)
+    .setParseAttrs(pack_parse)
+    .setInferType(pack_type)
+    .setInferShape(pack_shape)
+    .setForward(pack_forward, "cpu");
+
+REGISTER_OP(hylo_dequantize_slots)
+    .setParseAttrs(slots_parse)
+    .setInferType(slots_type)
+    .setInferShape(slots_shape)
+    .setForward(slots_forward, "cpu");
 
 REGISTER_OP(hylo_momentum_correct)
     .setParseAttrs(correct_parse)
