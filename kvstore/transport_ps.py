@@ -17,13 +17,14 @@ from typing import List, Optional, Tuple
 import mxnet as mx
 import numpy as np
 
+from .. import ops
 from .compressors import Payload, make_compressors
 from .cost_model import LinkCosts
 from .ps_keys import Chunk, KeyTable, bucket_signature
 from .transport import Traffic, Transport, wait_timed
 from .watchdog import StallWatchdog
 from .wire import (BIGARRAY_BOUND, DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, ROW_ID_BYTES,
-                   ChunkLayout, empty_push, gather_payloads, push_slot, push_rows)
+                   ChunkLayout, empty_push, push_slot, push_rows)
 
 # The keys' sizes (tuning constants, not options: tests of the cutting set them lower).
 # The largest piece of a layer in one parameter-server key, in float32 elements.
@@ -349,15 +350,11 @@ class PSTransport(Transport):
         piece = p.flat[chunk.offset:chunk.offset + chunk.size]
         if chunk.pull == "none":
             piece[:] = rows[:chunk.size]
-        elif chunk.kind == "slots":
+        elif chunk.kind == "slots":     # every worker's payload, decoded in rank order
             self._codecs[chunk.codec].decode_slots(rows, chunk, piece)
-        else:
-            # decoded in rank order, as the server decodes a dense pull: bitwise equal
-            target = piece.reshape((chunk.rows_filters, chunk.cols)) \
-                if chunk.kind == "rows" else piece
-            mx.nd.zeros_like(target, out=target)
-            for payload in gather_payloads(chunk, rows):
-                self._codecs[payload.strategy].decode(payload, target, accumulate=True)
+        else:                           # the union of the workers' rows, summed
+            ops.scatter_gathered(rows, chunk.pull_k, (chunk.rows_filters, chunk.cols),
+                                 out=piece.reshape((chunk.rows_filters, chunk.cols)))
         # the decode runs on in MXNet's engine: wait() adds it to the same layer's pull_s
         p.traffic.pull_s += time.perf_counter() - clock
         self.watchdog.settled(pskey)

@@ -33,6 +33,7 @@ from . import _checks, _cpp, build, reference
 __all__ = ["backend", "quantize_2bit", "settle_2bit", "l1_stats", "dequantize_2bit",
            "select_kernels", "scatter_kernels", "momentum_velocity", "momentum_correct",
            "bound_rows", "pack_slot", "dequantize_slots",
+           "scatter_gathered",
            "set_num_threads", "reference", "build"]
 
 _lock = threading.Lock()
@@ -314,3 +315,21 @@ def dequantize_slots(values, slots, per_slot, shape, out=None):
     if _use_cpp(values):
         return _cpp.dequantize_slots(values, slots, per_slot, shape, out)
     return reference._dequantize_slots(values, slots, per_slot, shape, out)
+
+
+def scatter_gathered(values, pull_k, shape, out=None):
+    """The aggregate of a top-k chunk from its gathered pull (mxhylo.kvstore.wire).
+
+    values: float32 NDArray: values[0] the count c of rows listed (<= pull_k),
+    values[1:1 + c] their row indices (strictly increasing, in [0, O)), the rows
+    themselves from values[h] on, h = 1 + pull_k rounded up to a multiple of F.
+    shape: (O, F). Returns out (float32 of ``shape``, or a new array): 0 everywhere,
+    +0 plus the listed rows at their indices, bitwise zeros then scatter_kernels
+    with accumulate. A count or index out of range fails the call before any write
+    (the C++ op when the result is read: an MXNetError; the reference at once:
+    ValueError).
+    """
+    pull_k, shape = _checks.gathered_args(values, pull_k, shape, out)
+    if _use_cpp(values):
+        return _cpp.scatter_gathered(values, pull_k, shape, out)
+    return reference._scatter_gathered(values, pull_k, shape, out)

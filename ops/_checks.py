@@ -201,3 +201,22 @@ def slots_args(values, slots, per_slot, shape, out, op="dequantize_slots"):
                          % (op, values.size, slots, per_slot, need))
     out_array(out, shape, values.context, op)
     return int(slots), int(per_slot), shape
+
+
+def gathered_args(values, pull_k, shape, out, op="scatter_gathered"):
+    """scatter_gathered's arguments -> (pull_k, shape (O, F)). values must hold the
+    header (1 + pull_k values, rounded up to whole rows of F) and pull_k rows."""
+    ndarray(values, "values", (np.float32,), op)
+    shape = shape_tuple(shape, op)
+    if len(shape) != 2:
+        raise ValueError("%s: shape must be (rows, row length), got %s" % (op, shape))
+    if isinstance(pull_k, (bool, np.bool_)) or not isinstance(pull_k, numbers.Integral) \
+            or pull_k < 0:
+        raise ValueError("%s: pull_k must be an int >= 0, got %r" % (op, pull_k))
+    cols = shape[1]
+    need = -(-(1 + pull_k) // cols) * cols + pull_k * cols
+    if values.size < need:
+        raise ValueError("%s: %d values cannot hold the header and %d rows of %d (%d)"
+                         % (op, values.size, pull_k, cols, need))
+    out_array(out, shape, values.context, op)
+    return int(pull_k), shape

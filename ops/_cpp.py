@@ -82,3 +82,8 @@ def dequantize_slots(values, slots, per_slot, shape, out):
     return mx.nd.hylo_dequantize_slots(values.reshape((-1,)), slots=str(slots),
                                        per_slot=str(per_slot),
                                        shape=_checks.shape_text(shape), out=out)
+
+
+def scatter_gathered(values, pull_k, shape, out):
+    return mx.nd.hylo_scatter_gathered(values.reshape((-1,)), pull_k=str(pull_k),
+                                       shape=_checks.shape_text(shape), out=out)

@@ -395,3 +395,34 @@ def _dequantize_slots(values, slots, per_slot, shape, out):
         return total
     out[:] = total
     return out
+
+
+def scatter_gathered(values, pull_k, shape, out=None):
+    """See mxhylo.ops.scatter_gathered."""
+    pull_k, shape = _checks.gathered_args(values, pull_k, shape, out)
+    return _scatter_gathered(values, pull_k, shape, out)
+
+
+def _scatter_gathered(values, pull_k, shape, out):
+    rows, cols = shape
+    head = -(-(1 + pull_k) // cols) * cols
+    flat = values.reshape((-1,))
+    header = flat[:1 + pull_k].asnumpy()
+    count = header[0]
+    if not (0 <= count <= pull_k and count == int(count)):
+        raise ValueError("scatter_gathered: the pull lists %r rows, not an integer in "
+                         "[0, %d]" % (float(count), pull_k))
+    total = mx.nd.zeros(shape, ctx=values.context)
+    if count:
+        indices = header[1:1 + int(count)]
+        if indices.min() < 0 or indices.max() >= rows or (np.diff(indices) <= 0).any() \
+                or (indices != np.floor(indices)).any():
+            raise ValueError("scatter_gathered: row indices must be strictly increasing "
+                             "integers in [0, %d)" % rows)
+        listed = flat[head:head + int(count) * cols].reshape((int(count), cols))
+        _scatter_kernels(mx.nd.array(indices, dtype=np.int32, ctx=values.context), listed,
+                         shape, total, accumulate=True)
+    if out is None:
+        return total
+    out[:] = total
+    return out

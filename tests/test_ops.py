@@ -524,6 +524,49 @@ def test_dequantize_slots_rejects_an_altered_slot(impl, bad):
         impl.dequantize_slots(nd(flat), 3, per_slot, (100,)).asnumpy()
 
 
+def _gathered(rng, rows, cols, pull_k, count):
+    """A gathered top-k pull: count, indices, header padded to whole rows, the rows."""
+    head = -(-(1 + pull_k) // cols) * cols
+    flat = np.zeros(head + pull_k * cols + 2, F32)
+    idx = np.sort(rng.choice(rows, count, replace=False))
+    listed = rng.randn(count, cols).astype(F32)
+    if count:
+        listed[0, 0] = -0.0                                 # lands as +0, as 0 + -0 does
+    flat[0], flat[1:1 + count] = count, idx
+    flat[head:head + count * cols] = listed.reshape(-1)
+    return flat, idx, listed
+
+
+@pytest.mark.parametrize("rows,cols,pull_k,count", [(7, 1, 4, 4), (9, 5, 6, 0), (9, 5, 6, 3),
+                                                    (64, 33, 12, 12), (300, 2, 40, 17)])
+def test_scatter_gathered_is_zeros_then_the_listed_rows(impl, rows, cols, pull_k, count):
+    flat, idx, listed = _gathered(np.random.RandomState(rows), rows, cols, pull_k, count)
+    want = np.zeros((rows, cols), F32)
+    want[idx] += listed
+    got = impl.scatter_gathered(nd(flat), pull_k, (rows, cols))
+    np.testing.assert_array_equal(bits(got.asnumpy()), bits(want))
+    out = nd(np.full((rows, cols), 5.0, F32))
+    assert impl.scatter_gathered(nd(flat), pull_k, (rows, cols), out=out) is out
+    np.testing.assert_array_equal(bits(out.asnumpy()), bits(want))
+
+
+@pytest.mark.parametrize("bad", ["count_over_pull_k", "count_fraction", "index_out",
+                                 "index_repeated"])
+def test_scatter_gathered_rejects_a_bad_header(impl, bad):
+    """What arrives over the network never writes outside the layer."""
+    flat, _, _ = _gathered(np.random.RandomState(1), 20, 3, 6, 4)
+    if bad == "count_over_pull_k":
+        flat[0] = 7
+    elif bad == "count_fraction":
+        flat[0] = 2.5
+    elif bad == "index_out":
+        flat[4] = 20
+    else:
+        flat[3] = flat[2]
+    with pytest.raises((ValueError, mx.base.MXNetError), match="rows|indices"):
+        impl.scatter_gathered(nd(flat), 6, (20, 3)).asnumpy()
+
+
 def test_slot_validation_errors(impl):
     codes = mx.nd.zeros((4,), dtype=np.int32)
     with pytest.raises(ValueError, match="length must be an int >= 9"):
@@ -938,6 +981,9 @@ def isa_inputs():
     for n in [1, 17, 1000, 4099]:
         _, _, per_slot, flat = _slots(rng, n, workers=3)
         cases["ds_%d" % n] = ("slots", flat, per_slot, n)
+    for rows, cols, pull_k, count in [(7, 1, 4, 4), (9, 5, 6, 3), (300, 17, 40, 33)]:
+        flat, _, _ = _gathered(rng, rows, cols, pull_k, count)
+        cases["g_%d_%d" % (rows, cols)] = ("gathered", flat, pull_k, (rows, cols))
     for n in [1, 15, 46, 999]:
         cases["p_%d" % n] = ("pack", rng.randint(0, 256, n).astype(np.uint8), None, 1.5)
     for shape, k in [((5, 3, 3, 3), 2), ((1, 1, 1, 1), 1), ((7, 1), 3), ((64, 33), 10),
@@ -997,6 +1043,8 @@ def isa_child(path):
             acc = nd(y)
             ops.dequantize_2bit(nd(x), p * 3, (n,), out=acc, accumulate=True)
             out[name + "/accumulated"] = acc.asnumpy()
+        elif op == "gathered":
+            out[name + "/scattered"] = ops.scatter_gathered(nd(x), y, p).asnumpy()
         elif op == "slots":
             out[name + "/summed"] = ops.dequantize_slots(nd(x), 3, y, (p,)).asnumpy()
         elif op == "pack":
@@ -1096,6 +1144,13 @@ def test_native_build_matches_numpy(isa_outputs):
         elif op == "dequantize":
             np.testing.assert_array_equal(bits(out[name + "/decoded"]),
                                           bits(np_dequantize(x, p, (y.size,))), err_msg=name)
+        elif op == "gathered":
+            want = np.zeros(p, F32)
+            head = -(-(1 + y) // p[1]) * p[1]
+            count = int(x[0])
+            want[x[1:1 + count].astype(int)] += x[head:head + count * p[1]].reshape(count, -1)
+            np.testing.assert_array_equal(bits(out[name + "/scattered"]), bits(want),
+                                          err_msg=name)
         elif op == "slots":
             want = np.zeros(p, F32)
             for w in range(3):

@@ -19,6 +19,9 @@
 //   hylo_dequantize_slots(values f32 (slots * per_slot,); slots, per_slot, shape)
 //       -> out f32 shape: the sum, in slot order from +0, of every slot's 2-bit
 //       payload (its value, then its codes as hylo_pack_bytes wrote them)
+//   hylo_scatter_gathered(values f32; pull_k, shape (O, F)) -> out f32 shape: the
+//       rows a gathered pull lists (count, count indices, header padded to whole
+//       rows of F, then the rows), each added to +0, every other row 0
 // The *_add operators are called with out=acc: MXNet then hands the same
 // buffer as input and output, so only the touched data is read and written.
 // Python (mxhylo/ops/__init__.py) validates arguments first and handles the
@@ -1473,6 +1476,81 @@ MXReturnValue slots_forward(const Attrs& attrs, std::vector<MXTensor>* in,
   return MX_SUCCESS;
 }
 
+// The rows of a 'gather' pull of a top-k chunk (mxhylo/kvstore/wire.py,
+// gather_values): values[0] = count, values[1, 1 + count) the row indices (as
+// float32, exact), the rows from values[head] on, head = 1 + pull_k rounded up
+// to whole rows. Checked before any write: what arrives over the network must
+// not write outside `out`.
+MXReturnValue gathered_parse(const Attrs& attrs, int* nin, int* nout) {
+  int64_t pull_k;
+  std::vector<unsigned int> shape;
+  if (!parse_int(attrs, "pull_k", &pull_k) || !parse_shape(attrs, &shape)) return MX_FAIL;
+  *nin = 1;
+  *nout = 1;
+  return MX_SUCCESS;
+}
+
+MXReturnValue gathered_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
+  if ((*in)[0] != kFloat32) {
+    MX_ERROR_MSG << "hylo_scatter_gathered: values must be float32";
+    return MX_FAIL;
+  }
+  (*out)[0] = kFloat32;
+  return MX_SUCCESS;
+}
+
+MXReturnValue gathered_shape(const Attrs& attrs, std::vector<std::vector<unsigned int> >* in,
+                             std::vector<std::vector<unsigned int> >* out) {
+  int64_t pull_k;
+  std::vector<unsigned int> shape;
+  if (!expect_inputs(*in, 1, "hylo_scatter_gathered") || !parse_int(attrs, "pull_k", &pull_k) ||
+      !parse_shape(attrs, &shape))
+    return MX_FAIL;
+  const int64_t F = shape_size(shape) / shape[0];
+  const int64_t head = (1 + pull_k + F - 1) / F * F;
+  if (shape_size((*in)[0]) < head + pull_k * F) {
+    MX_ERROR_MSG << "hylo_scatter_gathered: " << shape_size((*in)[0]) << " values cannot hold "
+                 << "a header of " << head << " and " << pull_k << " rows of " << F;
+    return MX_FAIL;
+  }
+  (*out)[0] = shape;
+  return MX_SUCCESS;
+}
+
+MXReturnValue gathered_forward(const Attrs& attrs, std::vector<MXTensor>* in,
+                               std::vector<MXTensor>* out, const OpResource&) {
+  int64_t pull_k;
+  if (!parse_int(attrs, "pull_k", &pull_k)) return MX_FAIL;
+  const float* values = (*in)[0].data<float>();
+  MXTensor& o = (*out)[0];
+  const int64_t O = o.shape[0], F = o.size() / O;
+  const int64_t head = (1 + pull_k + F - 1) / F * F;
+  const float count = values[0];
+  if (!(count >= 0.f && count <= static_cast<float>(pull_k)) || count != std::floor(count)) {
+    MX_ERROR_MSG << "hylo_scatter_gathered: the pull lists " << count << " rows, not an "
+                 << "integer in [0, " << pull_k << "]";
+    return MX_FAIL;
+  }
+  const int64_t k = static_cast<int64_t>(count);
+  for (int64_t j = 0; j < k; ++j) {
+    const float x = values[1 + j];
+    if (!(x >= 0.f && x < static_cast<float>(O)) || x != std::floor(x) ||
+        (j > 0 && x <= values[j])) {
+      MX_ERROR_MSG << "hylo_scatter_gathered: row indices must be strictly increasing "
+                   << "integers in [0, " << O << "); index " << j << " is " << x;
+      return MX_FAIL;
+    }
+  }
+  float* dst = o.data<float>();
+  std::fill(dst, dst + O * F, 0.f);
+  for (int64_t j = 0; j < k; ++j) {
+    float* row = dst + static_cast<int64_t>(values[1 + j]) * F;
+    const float* v = values + head + j * F;
+    for (int64_t c = 0; c < F; ++c) row[c] = 0.f + v[c];  // as zeros then an add: -0 -> +0
+  }
+  return MX_SUCCESS;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- registry
@@ -1550,6 +1628,12 @@ REGISTER_OP(hylo_dequantize_slots)
     .setInferType(slots_type)
     .setInferShape(slots_shape)
     .setForward(slots_forward, "cpu");
+
+REGISTER_OP(hylo_scatter_gathered)
+    .setParseAttrs(gathered_parse)
+    .setInferType(gathered_type)
+    .setInferShape(gathered_shape)
+    .setForward(gathered_forward, "cpu");
 
 REGISTER_OP(hylo_momentum_correct)
     .setParseAttrs(correct_parse)
