@@ -22,7 +22,7 @@ def ndarray(x, name, dtypes, op):
     if x.dtype not in dtypes:
         raise TypeError("%s: %s must have dtype %s, got %s" % (
             op, name, " or ".join(np.dtype(d).name for d in dtypes), np.dtype(x.dtype).name))
-    if x.size == 0:
+    if 0 in x.shape:    # (one metadata call: NDArray.size would read the shape again)
         raise ValueError("%s: %s is empty (shape %s)" % (op, name, x.shape))
     return x
 
@@ -41,9 +41,10 @@ def grad_residual(grad, residual, op, name="residual"):
     context."""
     ndarray(grad, "grad", GRAD_DTYPES, op)
     ndarray(residual, name, (np.float32,), op)
-    if grad.shape != residual.shape:
+    g_shape, r_shape = grad.shape, residual.shape
+    if g_shape != r_shape:
         raise ValueError("%s: grad shape %s and %s shape %s differ" % (
-            op, grad.shape, name, residual.shape))
+            op, g_shape, name, r_shape))
     same_context(op, ("grad", grad), (name, residual))
 
 
