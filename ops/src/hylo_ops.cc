@@ -1418,9 +1418,10 @@ MXReturnValue slots_parse(const Attrs& attrs, int* nin, int* nout) {
   return MX_SUCCESS;
 }
 
-MXReturnValue slots_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
+// The pulled-key decoders: float32 values in, float32 out.
+MXReturnValue pulled_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
   if ((*in)[0] != kFloat32) {
-    MX_ERROR_MSG << "hylo_dequantize_slots: values must be float32";
+    MX_ERROR_MSG << "hylo_dequantize_slots / hylo_scatter_gathered: values must be float32";
     return MX_FAIL;
   }
   (*out)[0] = kFloat32;
@@ -1487,15 +1488,6 @@ MXReturnValue gathered_parse(const Attrs& attrs, int* nin, int* nout) {
   if (!parse_int(attrs, "pull_k", &pull_k) || !parse_shape(attrs, &shape)) return MX_FAIL;
   *nin = 1;
   *nout = 1;
-  return MX_SUCCESS;
-}
-
-MXReturnValue gathered_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
-  if ((*in)[0] != kFloat32) {
-    MX_ERROR_MSG << "hylo_scatter_gathered: values must be float32";
-    return MX_FAIL;
-  }
-  (*out)[0] = kFloat32;
   return MX_SUCCESS;
 }
 
@@ -1625,13 +1617,13 @@ REGISTER_OP(hylo_pack_bytes)
 
 REGISTER_OP(hylo_dequantize_slots)
     .setParseAttrs(slots_parse)
-    .setInferType(slots_type)
+    .setInferType(pulled_type)
     .setInferShape(slots_shape)
     .setForward(slots_forward, "cpu");
 
 REGISTER_OP(hylo_scatter_gathered)
     .setParseAttrs(gathered_parse)
-    .setInferType(gathered_type)
+    .setInferType(pulled_type)
     .setInferShape(gathered_shape)
     .setForward(gathered_forward, "cpu");
 
