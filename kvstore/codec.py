@@ -95,14 +95,3 @@ class Compressor:
         ``data`` (uint8 numpy, at least byte_span(0, size)[1] of them) and its header
         ``scalars`` (the payload's own, as travelled: float32)."""
         raise NotImplementedError
-
-    def decode_slots(self, values, layout, out):
-        """'slots' codecs: ``out`` (float32 NDArray, layout.size elements) <- the sum,
-        from +0 in rank order, of the workers' payloads in a gathered pull of chunk
-        ``layout`` (``values``: the pulled float32 NDArray, slot after slot). This
-        default reads the slots to the host and decodes them one by one; a codec may
-        do it in one operator, bitwise the same."""
-        from .wire import gather_payloads   # (wire reads every codec's layout facts)
-        mx.nd.zeros_like(out, out=out)
-        for payload in gather_payloads(layout, values):
-            self.decode(payload, out, accumulate=True)

@@ -90,11 +90,6 @@ class TwoBit(Compressor):
         ops.dequantize_2bit(codes, payload.scalars[0], payload.shape, out=out,
                             accumulate=accumulate)
 
-    def decode_slots(self, values, layout, out):
-        # every worker's slot unpacked and decoded in one operator, on the engine
-        ops.dequantize_slots(values, layout.slots, layout.slot_rows * layout.cols, out.shape,
-                             out=out)
-
     def payload_nbytes(self, plan):
         return 4 * -(-plan.size // 16) + 4 * self.scalars     # int32 words of 16 codes
 

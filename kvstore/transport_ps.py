@@ -17,14 +17,13 @@ from typing import List, Optional, Tuple
 import mxnet as mx
 import numpy as np
 
-from .. import ops
 from .compressors import Payload, make_compressors
 from .cost_model import LinkCosts
 from .ps_keys import Chunk, KeyTable, bucket_signature
 from .transport import Traffic, Transport, wait_timed
 from .watchdog import StallWatchdog
 from .wire import (BIGARRAY_BOUND, DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, ROW_ID_BYTES,
-                   ChunkLayout, empty_push, push_slot, push_rows)
+                   ChunkLayout, empty_push, gather_payloads, push_slot, push_rows)
 
 # The keys' sizes (tuning constants, not options: tests of the cutting set them lower).
 # The largest piece of a layer in one parameter-server key, in float32 elements.
@@ -168,18 +167,7 @@ class PSTransport(Transport):
         self.watchdog = StallWatchdog(stall_timeout, rank=self.rank)
         self._exchanges = 0
         self._codecs = make_compressors()      # wire forms of pushes, decoders of pulls
-        self._flats = {}                       # (layer key, role) -> (array, its flat view)
         self.keys.check_servers_decode()
-
-    def _flat(self, key, role, array):
-        """``array.reshape((-1,))``, made once per layer and array: MXNet's reshape
-        costs about as much CPU as a small operator, and an exchange takes several
-        views of each layer's gradient and aggregate, which stay the same arrays from
-        step to step. role: which of the layer's arrays ('out', 'send')."""
-        hit = self._flats.get((key, role))
-        if hit is None or hit[0] is not array:
-            hit = self._flats[(key, role)] = (array, array.reshape((-1,)))
-        return hit[1]
 
     # -- keys (kvstore.ps_keys) ----------------------------------------------------------
 
@@ -310,7 +298,7 @@ class PSTransport(Transport):
         for c in r.chunks:
             self.watchdog.owe(c.pskey, r.layer.plan.name, c.layout.server)
         traffic.pushed_at = time.perf_counter()
-        pushes = self._encode_pushes(r)
+        pushes = self._encode_pushes(r.chunks, r.payload)
         if r.payload.arrays[0] is r.out and self._codecs[r.payload.strategy].wire == "dense":
             for c, (value, nbytes) in zip(r.chunks, pushes):     # the sum lands in place
                 self.kv.pushpull(c.pskey, value, out=value)
@@ -319,7 +307,7 @@ class PSTransport(Transport):
         for c, (value, nbytes) in zip(r.chunks, pushes):
             self.kv.push(c.pskey, value)
             traffic.count(c.layout.server, pushed=nbytes, messages=1)
-        flat = self._flat(r.layer.key, "out", r.out)
+        flat = r.out.reshape((-1,))
         for c in r.chunks:
             chunk = c.layout
             if chunk.kind == "dense":
@@ -338,8 +326,7 @@ class PSTransport(Transport):
         for m in b.members:
             self.watchdog.owe(b.pskey, routed[m.item].layer.plan.name, b.layout.server)
             traffic[m.item].pushed_at = now
-        outs = [self._flat(routed[m.item].layer.key, "out", routed[m.item].out)
-                for m in b.members]
+        outs = [routed[m.item].out.reshape((-1,)) for m in b.members]
         if b.recv is None:      # a group of one: it pushes the layer's own array
             self.kv.push(b.pskey, b.send)
             self.kv.pull(b.pskey, out=outs[0])
@@ -358,15 +345,17 @@ class PSTransport(Transport):
         chunk, pskey = p.chunk.layout, p.chunk.pskey
         self.watchdog.waiting("layer %r (key %d, server %d)" % (p.name, pskey, chunk.server))
         clock = time.perf_counter()
-        rows = p.buf.data                                 # (pull_rows, cols)
+        rows = p.buf.data.reshape((-1,))                  # (pull_rows * cols,) row-major
         piece = p.flat[chunk.offset:chunk.offset + chunk.size]
         if chunk.pull == "none":
-            piece[:] = rows.reshape((-1,))[:chunk.size]
-        elif chunk.kind == "slots":     # every worker's payload, decoded in rank order
-            self._codecs[chunk.codec].decode_slots(rows, chunk, piece)
-        else:                           # the union of the workers' rows, summed
-            ops.scatter_gathered(rows, chunk.pull_k, (chunk.rows_filters, chunk.cols),
-                                 out=piece.reshape((chunk.rows_filters, chunk.cols)))
+            piece[:] = rows[:chunk.size]
+        else:
+            # decoded in rank order, as the server decodes a dense pull: bitwise equal
+            target = piece.reshape((chunk.rows_filters, chunk.cols)) \
+                if chunk.kind == "rows" else piece
+            mx.nd.zeros_like(target, out=target)
+            for payload in gather_payloads(chunk, rows):
+                self._codecs[payload.strategy].decode(payload, target, accumulate=True)
         # the decode runs on in MXNet's engine: wait() adds it to the same layer's pull_s
         p.traffic.pull_s += time.perf_counter() - clock
         self.watchdog.settled(pskey)
@@ -390,23 +379,21 @@ class PSTransport(Transport):
             r = routed[items[0]]
             c = self.keys.chunks[r.layer.key][0]
             return Bucket(c.pskey, c.layout, (BucketMember(items[0], 0, r.layer.plan.size),),
-                          self._flat(r.layer.key, "send", r.payload.arrays[0]), None)
+                          r.payload.arrays[0].reshape((-1,)), None)
         key = self.keys.bucket_keys[bucket_signature(group)]
         placed, offset = [], 0
         for i, layer in zip(items, group):
             placed.append(BucketMember(i, offset, layer.plan.size))
             offset += layer.plan.size
-        send = mx.nd.concat(*[self._flat(routed[i].layer.key, "send", routed[i].payload.arrays[0])
-                              for i in items], dim=0)
+        send = mx.nd.concat(*[routed[i].payload.arrays[0].reshape((-1,)) for i in items],
+                            dim=0)
         return Bucket(key.pskey, key.layout, tuple(placed), send, key.recv)
 
-    def _encode_pushes(self, r):
-        """Per Chunk of Routed ``r``: (value to push, bytes on the wire), in
-        kvstore.wire's layouts."""
-        chunks, payload = r.chunks, r.payload
+    def _encode_pushes(self, chunks, payload):
+        """Per Chunk: (value to push, bytes on the wire), in kvstore.wire's layouts."""
         codec = self._codecs[payload.strategy]
         if codec.wire == "dense":
-            flat = self._flat(r.layer.key, "send", payload.arrays[0])
+            flat = payload.arrays[0].reshape((-1,))
             return [(flat[c.layout.lo:c.layout.hi], 4 * c.layout.size) for c in chunks]
         if codec.wire == "rows":
             indices, values = payload.arrays
@@ -416,15 +403,11 @@ class PSTransport(Transport):
                 pushes.append(empty_push(c.layout) if a == b else
                               push_rows(c.layout, indices[a:b], values[a:b]))
             return pushes
-        # the bytes of each chunk, as elements of the payload's array (byte spans start
-        # and end on whole elements: kvstore.wire cuts layers at multiples of 16)
-        flat = payload.arrays[0].reshape((-1,))
-        item = np.dtype(flat.dtype).itemsize
+        data = codec.to_bytes(payload)
         pushes = []
         for c in chunks:
             a, b = codec.byte_span(c.layout.lo, c.layout.hi)
-            pushes.append(push_slot(c.layout, self.rank, flat[a // item:b // item],
-                                    payload.scalars))
+            pushes.append(push_slot(c.layout, self.rank, data[a:b], payload.scalars))
         return pushes
 
     @staticmethod

@@ -40,14 +40,11 @@ collectives that gather without summing (``payload_blob`` / ``blob_payloads``:
 kvstore.transport_horovod); the transports and the servers only move them.
 """
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import mxnet as mx
 import numpy as np
 
-from .. import ops
-from ..ops.reference import pack_bytes, unpack_bytes  # noqa: F401 (the format's oracle)
 from .compressors import CODEC_NAMES, Payload, make_compressors
 
 PULL_CODECS = ("none", "gather")   # the dense aggregate, or the payloads gathered
@@ -63,6 +60,7 @@ DEFAULT_CHUNK_ELEMENTS = 976 * ROW_DATA  # a whole number of rows, under 1e6
 # Layers of at least this many elements are spread evenly over all servers.
 DEFAULT_SPLIT_MIN = 1 << 18
 BIGARRAY_BOUND = (1 << 31) - 1  # MXNET_KVSTORE_BIGARRAY_BOUND of hylo's store (an int): no split
+_WORD_MASK = (1 << 30) - 1    # pack_bytes: 30 payload bits per float32 value
 PIECE_UNIT = 16               # pieces of a layer start at multiples of this (a 2-bit word)
 # the codecs' layout facts (wire, scalars, byte spans; kvstore.codec), by strategy name
 _CODECS = make_compressors()
@@ -249,9 +247,7 @@ def row_sparse_push(layout, data, rows):
         data = data.reshape((len(rows), layout.cols))
     if isinstance(rows, np.ndarray):
         rows = mx.nd.array(rows, dtype=np.int64)
-    if rows.dtype != np.int64:
-        rows = rows.astype(np.int64)
-    value = mx.nd.sparse.row_sparse_array((data, rows),
+    value = mx.nd.sparse.row_sparse_array((data, rows.astype(np.int64)),
                                           shape=layout.key_shape)
     return value, len(rows) * (4 * layout.cols + ROW_ID_BYTES)
 
@@ -266,17 +262,14 @@ def empty_push(layout):
 def push_slot(layout, rank, data, scalars):
     """Worker ``rank``'s push of a 'slots' chunk: its slot (rows [rank * slot_rows,
     (rank + 1) * slot_rows)) holding the payload's header ``scalars``, then the chunk's
-    bytes (``data``: an NDArray whose bytes are the codec's byte_span of the chunk) as
-    :func:`pack_bytes` writes them (ops.pack_slot, on the engine). Read by
-    :func:`slot_payload`."""
-    values = ops.pack_slot(data, scalars, layout.slot_rows * layout.cols)
-    return row_sparse_push(layout, values, _slot_rows(layout.slot_rows, rank))
-
-
-@functools.lru_cache(maxsize=None)
-def _slot_rows(slot_rows, rank):
-    """The rows of worker ``rank``'s slot (int64 NDArray, made once: read only)."""
-    return mx.nd.arange(rank * slot_rows, (rank + 1) * slot_rows, dtype=np.int64)
+    bytes ``data`` (uint8 numpy, the codec's byte_span of the chunk) as
+    :func:`pack_bytes` writes them. Read by :func:`slot_payload`."""
+    packed = pack_bytes(data)
+    values = np.zeros(layout.slot_rows * layout.cols, np.float32)
+    values[:len(scalars)] = scalars
+    values[len(scalars):len(scalars) + len(packed)] = packed
+    return row_sparse_push(layout, values,
+                           rank * layout.slot_rows + np.arange(layout.slot_rows))
 
 
 def slot_payload(layout, slot):
@@ -456,3 +449,48 @@ def blob_payloads(data, shape):
         payloads.append(Blob(payload, total))
         at += total
     return payloads
+
+
+def pack_bytes(data):
+    """Payload bytes (uint8) -> float32 values, 30 bits each (15 bytes in 4 values).
+
+    Each value is a *normal* float32: bit 29 of the 30 goes to the sign, bits 23-28 to
+    the exponent field plus one (1..64: never zero, Inf or NaN), bits 0-22 to the
+    mantissa. A normal number plus zero is that number, bit for bit, in every rounding
+    and flush-to-zero mode, so the servers' sum of other workers' empty slots cannot
+    alter a payload; zeros, denormals, Inf and NaN, which raw bit patterns would
+    produce, could be altered or canonicalised. 3.75 payload bytes per value (24-bit
+    integers carried 3). Read by :func:`unpack_bytes`.
+    """
+    pad = (-len(data)) % 15
+    groups = np.zeros((-(-len(data) // 15), 16), np.uint8)
+    flat = np.concatenate([data, np.zeros(pad, np.uint8)]) if pad else data
+    groups[:, :15] = flat.reshape(-1, 15)
+    lo, hi = groups.view("<u8").T                     # bits 0-63 and 64-119 of a group
+    mask = np.uint64(_WORD_MASK)
+    words = np.empty((len(lo), 4), np.uint64)
+    words[:, 0] = lo & mask
+    words[:, 1] = (lo >> np.uint64(30)) & mask
+    words[:, 2] = ((lo >> np.uint64(60)) | (hi << np.uint64(4))) & mask
+    words[:, 3] = (hi >> np.uint64(26)) & mask
+    w = words.reshape(-1).astype(np.uint32)
+    bits = ((w >> 29) << 31) | ((((w >> 23) & 0x3F) + 1) << 23) | (w & 0x7FFFFF)
+    return bits.view(np.float32)
+
+
+def unpack_bytes(values, n_bytes):
+    """Inverse of pack_bytes: float32 values (a multiple of 4 of them, or the first of
+    a slot's values) -> the first n_bytes (uint8)."""
+    n_values = 4 * -(-n_bytes // 15)
+    bits = np.ascontiguousarray(values[:n_values], np.float32).view(np.uint32)
+    exponent = (bits >> 23) & 0xFF
+    if bits.size and (exponent.min() < 1 or exponent.max() > 64):
+        raise ValueError("a slot payload value is not one pack_bytes writes (exponent "
+                         "field %d..%d): the payload was altered on the way"
+                         % (exponent.min(), exponent.max()))
+    w = ((bits >> 31) << 29) | ((exponent - 1) << 23) | (bits & 0x7FFFFF)
+    w = w.astype(np.uint64).reshape(-1, 4)
+    groups = np.empty((len(w), 2), np.uint64)
+    groups[:, 0] = w[:, 0] | (w[:, 1] << np.uint64(30)) | (w[:, 2] << np.uint64(60))
+    groups[:, 1] = (w[:, 2] >> np.uint64(4)) | (w[:, 3] << np.uint64(26))
+    return groups.view(np.uint8).reshape(-1, 16)[:, :15].reshape(-1)[:n_bytes]

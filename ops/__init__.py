@@ -32,8 +32,7 @@ from . import _checks, _cpp, build, reference
 
 __all__ = ["backend", "quantize_2bit", "settle_2bit", "l1_stats", "dequantize_2bit",
            "select_kernels", "scatter_kernels", "momentum_velocity", "momentum_correct",
-           "bound_rows", "pack_slot", "dequantize_slots",
-           "scatter_gathered",
+           "bound_rows",
            "set_num_threads", "reference", "build"]
 
 _lock = threading.Lock()
@@ -282,54 +281,3 @@ def bound_rows(residual, grad, bound):
     if _use_cpp(residual):
         return _cpp.bound_rows(residual, grad, text)
     return reference._bound_rows(residual, grad, float(b))
-
-
-def pack_slot(data, scalars, length):
-    """A worker's slot of a parameter-server key: float32 (length,) holding the
-    header ``scalars`` (each rounded to float32), then every byte of ``data``
-    (little-endian, 15 bytes in 4 values, each a normal float32: the format of
-    mxhylo.kvstore.wire.pack_bytes), then zeros.
-
-    data: int32, float32, float16 or uint8 NDArray, any shape (its bytes in order).
-    scalars: finite floats. length: int >= len(scalars) + 4 * ceil(bytes / 15).
-    """
-    texts, length = _checks.slot_args(data, scalars, length)
-    if _use_cpp(data):
-        return _cpp.pack_slot(data, ",".join(texts), length)
-    return reference._pack_slot(data, [float(t) for t in texts], length)
-
-
-def dequantize_slots(values, slots, per_slot, shape, out=None):
-    """The sum of ``slots`` workers' 2-bit payloads gathered in one pulled key.
-
-    values: float32 NDArray of at least slots * per_slot values; slot w is
-    values[w * per_slot:(w + 1) * per_slot]: the value its codes were sent with,
-    then its int32 codes (ceil(n/16) words, n = prod(shape)) as pack_slot writes
-    them. Returns out (float32 of ``shape``, or a new array) = +0, plus each slot's
-    dequantize_2bit in slot order: bitwise the decodes accumulated one by one.
-    A slot whose values pack_slot never writes, or whose value is not finite and
-    > 0, fails the call (the C++ op when the result is read: an MXNetError naming
-    the slot; the reference at once: ValueError).
-    """
-    slots, per_slot, shape = _checks.slots_args(values, slots, per_slot, shape, out)
-    if _use_cpp(values):
-        return _cpp.dequantize_slots(values, slots, per_slot, shape, out)
-    return reference._dequantize_slots(values, slots, per_slot, shape, out)
-
-
-def scatter_gathered(values, pull_k, shape, out=None):
-    """The aggregate of a top-k chunk from its gathered pull (mxhylo.kvstore.wire).
-
-    values: float32 NDArray: values[0] the count c of rows listed (<= pull_k),
-    values[1:1 + c] their row indices (strictly increasing, in [0, O)), the rows
-    themselves from values[h] on, h = 1 + pull_k rounded up to a multiple of F.
-    shape: (O, F). Returns out (float32 of ``shape``, or a new array): 0 everywhere,
-    +0 plus the listed rows at their indices, bitwise zeros then scatter_kernels
-    with accumulate. A count or index out of range fails the call before any write
-    (the C++ op when the result is read: an MXNetError; the reference at once:
-    ValueError).
-    """
-    pull_k, shape = _checks.gathered_args(values, pull_k, shape, out)
-    if _use_cpp(values):
-        return _cpp.scatter_gathered(values, pull_k, shape, out)
-    return reference._scatter_gathered(values, pull_k, shape, out)

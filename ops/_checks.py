@@ -22,7 +22,7 @@ def ndarray(x, name, dtypes, op):
     if x.dtype not in dtypes:
         raise TypeError("%s: %s must have dtype %s, got %s" % (
             op, name, " or ".join(np.dtype(d).name for d in dtypes), np.dtype(x.dtype).name))
-    if 0 in x.shape:    # (one metadata call: NDArray.size would read the shape again)
+    if x.size == 0:
         raise ValueError("%s: %s is empty (shape %s)" % (op, name, x.shape))
     return x
 
@@ -41,10 +41,9 @@ def grad_residual(grad, residual, op, name="residual"):
     context."""
     ndarray(grad, "grad", GRAD_DTYPES, op)
     ndarray(residual, name, (np.float32,), op)
-    g_shape, r_shape = grad.shape, residual.shape
-    if g_shape != r_shape:
+    if grad.shape != residual.shape:
         raise ValueError("%s: grad shape %s and %s shape %s differ" % (
-            op, g_shape, name, r_shape))
+            op, grad.shape, name, residual.shape))
     same_context(op, ("grad", grad), (name, residual))
 
 
@@ -172,52 +171,3 @@ def ndarray_or_empty(x, name, dtypes, op):
     if x.dtype not in dtypes:
         raise TypeError("%s: %s must have dtype %s, got %s" % (
             op, name, " or ".join(np.dtype(d).name for d in dtypes), np.dtype(x.dtype).name))
-
-
-def slot_args(data, scalars, length, op="pack_slot"):
-    """pack_slot's arguments -> (scalar texts, each parsing back to its float32; length).
-    ``length`` must hold the scalars and data's bytes, 4 values per 15 bytes."""
-    ndarray(data, "data", (np.int32, np.float32, np.float16, np.uint8), op)
-    texts = [finite32(v, "scalars", op)[1] for v in scalars]
-    n_bytes = data.size * np.dtype(data.dtype).itemsize
-    need = len(texts) + 4 * -(-n_bytes // 15)
-    if isinstance(length, (bool, np.bool_)) or not isinstance(length, numbers.Integral) \
-            or length < need:
-        raise ValueError("%s: length must be an int >= %d (%d scalars and %d bytes), got %r"
-                         % (op, need, len(texts), n_bytes, length))
-    return texts, int(length)
-
-
-def slots_args(values, slots, per_slot, shape, out, op="dequantize_slots"):
-    """dequantize_slots' arguments -> (slots, per_slot, shape tuple). Each slot must
-    hold a value and the codes of prod(shape) elements; values all the slots."""
-    ndarray(values, "values", (np.float32,), op)
-    shape = shape_tuple(shape, op)
-    for name, v in (("slots", slots), ("per_slot", per_slot)):
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral) or v < 1:
-            raise ValueError("%s: %s must be an int >= 1, got %r" % (op, name, v))
-    need = 1 + 4 * -(-4 * num_words(int(np.prod(shape))) // 15)
-    if per_slot < need or values.size < slots * per_slot:
-        raise ValueError("%s: %d values cannot hold %d slots of %d values, each needing %d"
-                         % (op, values.size, slots, per_slot, need))
-    out_array(out, shape, values.context, op)
-    return int(slots), int(per_slot), shape
-
-
-def gathered_args(values, pull_k, shape, out, op="scatter_gathered"):
-    """scatter_gathered's arguments -> (pull_k, shape (O, F)). values must hold the
-    header (1 + pull_k values, rounded up to whole rows of F) and pull_k rows."""
-    ndarray(values, "values", (np.float32,), op)
-    shape = shape_tuple(shape, op)
-    if len(shape) != 2:
-        raise ValueError("%s: shape must be (rows, row length), got %s" % (op, shape))
-    if isinstance(pull_k, (bool, np.bool_)) or not isinstance(pull_k, numbers.Integral) \
-            or pull_k < 0:
-        raise ValueError("%s: pull_k must be an int >= 0, got %r" % (op, pull_k))
-    cols = shape[1]
-    need = -(-(1 + pull_k) // cols) * cols + pull_k * cols
-    if values.size < need:
-        raise ValueError("%s: %d values cannot hold the header and %d rows of %d (%d)"
-                         % (op, values.size, pull_k, cols, need))
-    out_array(out, shape, values.context, op)
-    return int(pull_k), shape

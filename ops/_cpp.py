@@ -72,18 +72,3 @@ def momentum_correct(aggregate, previous, factor_text):
 def bound_rows(residual, grad, bound_text):
     # in place: MXNet hands `residual` to the op as a mutated input
     return mx.nd.hylo_bound_rows(residual, grad, bound=bound_text)
-
-
-def pack_slot(data, scalars_text, length):
-    return mx.nd.hylo_pack_bytes(data, scalars=scalars_text, length=str(length))
-
-
-def dequantize_slots(values, slots, per_slot, shape, out):
-    return mx.nd.hylo_dequantize_slots(values, slots=str(slots),
-                                       per_slot=str(per_slot),
-                                       shape=_checks.shape_text(shape), out=out)
-
-
-def scatter_gathered(values, pull_k, shape, out):
-    return mx.nd.hylo_scatter_gathered(values, pull_k=str(pull_k),
-                                       shape=_checks.shape_text(shape), out=out)

@@ -110,23 +110,6 @@ def np_dequantize(codes, t, shape):
     return lut[c.ravel()[:n]].reshape(shape)
 
 
-def np_pack_slot(raw, scalars, length):
-    """Bytes -> a slot: the scalars, then each group of 15 bytes (zero padded) as a
-    120-bit little-endian integer cut into four 30-bit words, each word w the float32
-    bits (w >> 29) << 31 | (((w >> 23) & 63) + 1) << 23 | (w & (2^23 - 1)), then 0."""
-    out = np.zeros(length, F32)
-    out[:len(scalars)] = scalars
-    raw = bytes(raw) + bytes(-len(raw) % 15)
-    words = []
-    for at in range(0, len(raw), 15):
-        group = int.from_bytes(raw[at:at + 15], "little")
-        for j in range(4):
-            w = (group >> (30 * j)) & ((1 << 30) - 1)
-            words.append((w >> 29) << 31 | (((w >> 23) & 63) + 1) << 23 | (w & ((1 << 23) - 1)))
-    out[len(scalars):len(scalars) + len(words)] = np.array(words, np.uint32).view(F32)
-    return out
-
-
 def np_select(g, r, k):
     """-> (indices int32 (k,), values (k, F), new residual, stats (2,))."""
     rows = g.shape[0]
@@ -467,116 +450,6 @@ def test_dequantize_accumulate_several_workers(impl):
         want += np_dequantize(codes, t, shape)  # float32 adds in the same order
         assert impl.dequantize_2bit(nd(codes), t, shape, out=out, accumulate=True) is out
     np.testing.assert_array_equal(bits(out.asnumpy()), bits(want))
-
-
-# ------------------------------------------------- pack_slot / dequantize_slots
-@pytest.mark.parametrize("dtype,n", [(np.uint8, 1), (np.uint8, 14), (np.uint8, 15),
-                                     (np.uint8, 31), (np.int32, 1), (np.int32, 77),
-                                     (np.float16, 9), (np.float32, 300)])
-def test_pack_slot_matches_numpy(impl, dtype, n):
-    """Any bytes (every bit pattern, float NaNs included) -> the slot numpy writes."""
-    rng = np.random.RandomState(n)
-    raw = rng.randint(0, 256, size=n * np.dtype(dtype).itemsize).astype(np.uint8)
-    data = raw.view(dtype)
-    length = 2 + 4 * -(-raw.size // 15) + 5
-    got = impl.pack_slot(mx.nd.array(data, dtype=dtype), [0.75, -3.5], length).asnumpy()
-    np.testing.assert_array_equal(bits(got), bits(np_pack_slot(raw, [0.75, -3.5], length)))
-    exponents = (bits(got[2:length - 5]) >> 23) & 0xFF
-    assert exponents.min() >= 1 and exponents.max() <= 64     # every value normal
-
-
-def _slots(rng, n, workers, spare=3):
-    """workers' random 2-bit codes and values packed in one gathered array."""
-    words = -(-n // 16)
-    per_slot = 1 + 4 * -(-4 * words // 15) + spare
-    codes = [rng.randint(-2 ** 31, 2 ** 31 - 1, size=words, dtype=np.int64).astype(np.int32)
-             for _ in range(workers)]
-    values = [F32(rng.uniform(0.01, 4)) for _ in range(workers)]
-    flat = np.concatenate([np_pack_slot(c.view(np.uint8), [v], per_slot)
-                           for c, v in zip(codes, values)])
-    return codes, values, per_slot, flat
-
-
-@pytest.mark.parametrize("n", [1, 16, 17, 1000, 4099])
-def test_dequantize_slots_is_the_decodes_summed_in_rank_order(impl, n):
-    """+0, then each worker's dequantized codes added in rank order, bit for bit."""
-    rng = np.random.RandomState(n)
-    codes, values, per_slot, flat = _slots(rng, n, workers=4)
-    want = np.zeros(n, F32)
-    for c, v in zip(codes, values):
-        want += np_dequantize(c, v, (n,))
-    got = impl.dequantize_slots(nd(flat), 4, per_slot, (n,))
-    np.testing.assert_array_equal(bits(got.asnumpy()), bits(want))
-    out = nd(np.full(n, 9.0, F32))
-    assert impl.dequantize_slots(nd(flat), 4, per_slot, (n,), out=out) is out
-    np.testing.assert_array_equal(bits(out.asnumpy()), bits(want))
-
-
-@pytest.mark.parametrize("bad", ["zero_in_codes", "nan_in_codes", "value_zero"])
-def test_dequantize_slots_rejects_an_altered_slot(impl, bad):
-    """A value pack_slot never writes (0, NaN) or a value that is not > 0 fails the call
-    and names the slot, never decoding to silent garbage."""
-    _, _, per_slot, flat = _slots(np.random.RandomState(0), 100, workers=3)
-    where = {"zero_in_codes": per_slot + 2, "nan_in_codes": 2 * per_slot + 1,
-             "value_zero": per_slot}[bad]
-    flat[where] = {"zero_in_codes": 0.0, "nan_in_codes": np.nan, "value_zero": 0.0}[bad]
-    with pytest.raises((ValueError, mx.base.MXNetError), match="slot|pack_bytes"):
-        impl.dequantize_slots(nd(flat), 3, per_slot, (100,)).asnumpy()
-
-
-def _gathered(rng, rows, cols, pull_k, count):
-    """A gathered top-k pull: count, indices, header padded to whole rows, the rows."""
-    head = -(-(1 + pull_k) // cols) * cols
-    flat = np.zeros(head + pull_k * cols + 2, F32)
-    idx = np.sort(rng.choice(rows, count, replace=False))
-    listed = rng.randn(count, cols).astype(F32)
-    if count:
-        listed[0, 0] = -0.0                                 # lands as +0, as 0 + -0 does
-    flat[0], flat[1:1 + count] = count, idx
-    flat[head:head + count * cols] = listed.reshape(-1)
-    return flat, idx, listed
-
-
-@pytest.mark.parametrize("rows,cols,pull_k,count", [(7, 1, 4, 4), (9, 5, 6, 0), (9, 5, 6, 3),
-                                                    (64, 33, 12, 12), (300, 2, 40, 17)])
-def test_scatter_gathered_is_zeros_then_the_listed_rows(impl, rows, cols, pull_k, count):
-    flat, idx, listed = _gathered(np.random.RandomState(rows), rows, cols, pull_k, count)
-    want = np.zeros((rows, cols), F32)
-    want[idx] += listed
-    got = impl.scatter_gathered(nd(flat), pull_k, (rows, cols))
-    np.testing.assert_array_equal(bits(got.asnumpy()), bits(want))
-    out = nd(np.full((rows, cols), 5.0, F32))
-    assert impl.scatter_gathered(nd(flat), pull_k, (rows, cols), out=out) is out
-    np.testing.assert_array_equal(bits(out.asnumpy()), bits(want))
-
-
-@pytest.mark.parametrize("bad", ["count_over_pull_k", "count_fraction", "index_out",
-                                 "index_repeated"])
-def test_scatter_gathered_rejects_a_bad_header(impl, bad):
-    """What arrives over the network never writes outside the layer."""
-    flat, _, _ = _gathered(np.random.RandomState(1), 20, 3, 6, 4)
-    if bad == "count_over_pull_k":
-        flat[0] = 7
-    elif bad == "count_fraction":
-        flat[0] = 2.5
-    elif bad == "index_out":
-        flat[4] = 20
-    else:
-        flat[3] = flat[2]
-    with pytest.raises((ValueError, mx.base.MXNetError), match="rows|indices"):
-        impl.scatter_gathered(nd(flat), 6, (20, 3)).asnumpy()
-
-
-def test_slot_validation_errors(impl):
-    codes = mx.nd.zeros((4,), dtype=np.int32)
-    with pytest.raises(ValueError, match="length must be an int >= 9"):
-        impl.pack_slot(codes, [1.0], 5)
-    with pytest.raises(TypeError, match="data must have dtype"):
-        impl.pack_slot(mx.nd.zeros((4,), dtype=np.float64), [], 8)
-    with pytest.raises(ValueError, match="cannot hold 2 slots"):
-        impl.dequantize_slots(mx.nd.zeros((20,)), 2, 11, (64,))
-    with pytest.raises(ValueError, match="slots must be an int >= 1"):
-        impl.dequantize_slots(mx.nd.zeros((20,)), 0, 10, (64,))
 
 
 # ------------------------------------------------------------ select_kernels
@@ -978,14 +851,6 @@ def isa_inputs():
     for n in [1, 17, 33, 1000, 4099]:
         codes = rng.randint(-2 ** 31, 2 ** 31 - 1, size=-(-n // 16), dtype=np.int64)
         cases["d_%d" % n] = ("dequantize", codes.astype(np.int32), rng.randn(n).astype(F32), 0.25)
-    for n in [1, 17, 1000, 4099]:
-        _, _, per_slot, flat = _slots(rng, n, workers=3)
-        cases["ds_%d" % n] = ("slots", flat, per_slot, n)
-    for rows, cols, pull_k, count in [(7, 1, 4, 4), (9, 5, 6, 3), (300, 17, 40, 33)]:
-        flat, _, _ = _gathered(rng, rows, cols, pull_k, count)
-        cases["g_%d_%d" % (rows, cols)] = ("gathered", flat, pull_k, (rows, cols))
-    for n in [1, 15, 46, 999]:
-        cases["p_%d" % n] = ("pack", rng.randint(0, 256, n).astype(np.uint8), None, 1.5)
     for shape, k in [((5, 3, 3, 3), 2), ((1, 1, 1, 1), 1), ((7, 1), 3), ((64, 33), 10),
                      ((10, 4, 1, 1), 4), ((300, 17), 30), ((9, 2304), 0), ((6, 2, 3), 2)]:
         for dtype in (np.float32, np.float16):
@@ -1043,13 +908,6 @@ def isa_child(path):
             acc = nd(y)
             ops.dequantize_2bit(nd(x), p * 3, (n,), out=acc, accumulate=True)
             out[name + "/accumulated"] = acc.asnumpy()
-        elif op == "gathered":
-            out[name + "/scattered"] = ops.scatter_gathered(nd(x), y, p).asnumpy()
-        elif op == "slots":
-            out[name + "/summed"] = ops.dequantize_slots(nd(x), 3, y, (p,)).asnumpy()
-        elif op == "pack":
-            length = 1 + 4 * -(-x.size // 15)
-            out[name + "/slot"] = ops.pack_slot(nd(x), [p], length).asnumpy()
         elif op == "bound":
             res = nd(y)
             out[name + "/cut"] = ops.bound_rows(res, nd(x), p).asnumpy()
@@ -1144,24 +1002,6 @@ def test_native_build_matches_numpy(isa_outputs):
         elif op == "dequantize":
             np.testing.assert_array_equal(bits(out[name + "/decoded"]),
                                           bits(np_dequantize(x, p, (y.size,))), err_msg=name)
-        elif op == "gathered":
-            want = np.zeros(p, F32)
-            head = -(-(1 + y) // p[1]) * p[1]
-            count = int(x[0])
-            want[x[1:1 + count].astype(int)] += x[head:head + count * p[1]].reshape(count, -1)
-            np.testing.assert_array_equal(bits(out[name + "/scattered"]), bits(want),
-                                          err_msg=name)
-        elif op == "slots":
-            want = np.zeros(p, F32)
-            for w in range(3):
-                slot = x[w * y:(w + 1) * y]
-                codes = reference.unpack_bytes(slot[1:], 4 * -(-p // 16)).view(np.int32)
-                want += np_dequantize(codes, slot[0], (p,))
-            np.testing.assert_array_equal(bits(out[name + "/summed"]), bits(want), err_msg=name)
-        elif op == "pack":
-            np.testing.assert_array_equal(bits(out[name + "/slot"]),
-                                          bits(np_pack_slot(x, [p], 1 + 4 * -(-x.size // 15))),
-                                          err_msg=name)
         elif op == "bound":
             want = mx.nd.array(y)
             cut = ops.reference.bound_rows(want, mx.nd.array(x, dtype=x.dtype), p)

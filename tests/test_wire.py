@@ -39,8 +39,7 @@ def test_2bit_slots_round_trip_through_the_servers_sum(seed):
         pushes = []
         for w in range(workers):
             a, b = codec.byte_span(c.lo, c.hi)
-            value, nbytes = push_slot(c, w, mx.nd.array(codes[w][a // 4:b // 4], dtype=np.int32),
-                                      (thresholds[w],))
+            value, nbytes = push_slot(c, w, codes[w].view(np.uint8)[a:b], (thresholds[w],))
             assert nbytes == c.slot_rows * (4 * c.cols + ROW_ID_BYTES)
             pushes.append(value)
         summed = _server_sum(pushes)
@@ -74,7 +73,7 @@ def test_fp16_slots_round_trip_every_bit_pattern():
     payloads = [make_payload(codec, h) for h in halves]
     for c in chunks:
         a, b = codec.byte_span(c.lo, c.hi)
-        summed = _server_sum([push_slot(c, w, p.arrays[0][a // 2:b // 2], p.scalars)[0]
+        summed = _server_sum([push_slot(c, w, codec.to_bytes(p)[a:b], p.scalars)[0]
                               for w, p in enumerate(payloads)])
         rows, data = summed.indices.asnumpy(), summed.data.asnumpy()
         for w in range(workers):
