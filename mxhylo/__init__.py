@@ -58,12 +58,12 @@ else:
         if name == "LARSTrainer":
             from .lars import LARSTrainer
             return LARSTrainer
-        if name == "io":
+        if name in ("io", "schedules"):
             import importlib
-            return importlib.import_module(".io", __name__)
+            return importlib.import_module("." + name, __name__)
         raise AttributeError("module 'mxhylo' has no attribute %r" % (name,))
 
-    __all__ = ["create", "io", "LARSTrainer"]
+    __all__ = ["create", "io", "schedules", "LARSTrainer"]
 
     if _SERVE_AFTER_IMPORT:
         from mxnet.kvstore import kvstore_server  # noqa: E402

@@ -36,10 +36,17 @@ class WorkerPacedSchedule:
 
 def pace_schedule(trainer, num_workers):
     """Wrap the Trainer's optimizer's lr scheduler (if any) in a WorkerPacedSchedule."""
+    from mxhylo.schedules import ScheduledLR
+
     optimizer = getattr(trainer, "_optimizer", None)
+    owner, attr = optimizer, "lr_scheduler"
     schedule = getattr(optimizer, "lr_scheduler", None)
+    if isinstance(schedule, ScheduledLR):
+        # a batch schedule's reader (mxhylo.schedules) already reads at the micro-batch
+        # count: pace what it reads, so it answers schedule(W * micro-batches)
+        owner, attr, schedule = schedule, "schedule", schedule.schedule
     if schedule is None or num_workers <= 1:
         return
     if isinstance(schedule, WorkerPacedSchedule):
         schedule = schedule.schedule
-    optimizer.lr_scheduler = WorkerPacedSchedule(schedule, num_workers)
+    setattr(owner, attr, WorkerPacedSchedule(schedule, num_workers))
