@@ -153,16 +153,35 @@ class DistributedPatches:
        names ('local', 'device') still create a new store. (The job's store and
        its transport's native store are made before the patches.)
 
+    6. With ``batch_schedule`` (--batch-schedule): the same Trainers accumulate
+       gradients (mxhylo.schedules.StepBatch: k micro-batches per update, doubled at
+       each listed epoch), the epoch's length taken from the training
+       ImageRecordIter (its .idx: this worker's part of the records, in batches).
+       The lr scheduler is then read at W times the micro-batches so far (pacing 3
+       on top of the schedule's own reading), the lr scaled by k (``batch_lr``
+       'linear') or not ('none').
+
     Not patched: gluon.data.DataLoader and other readers (every worker reads all of
     them), learning rates or schedules the script computes from steps it counts
     itself, and Trainers the script gives a kvstore (it is distributed-aware).
     """
 
-    def __init__(self, kv, shard_all_readers=False, say=None):
+    def __init__(self, kv, shard_all_readers=False, say=None, batch_schedule=None,
+                 batch_lr="linear"):
         self.kv = kv
         self.shard_all_readers = bool(shard_all_readers)
         self.say = say or _say
+        self.batch_schedule, self.batch_lr = batch_schedule, batch_lr
+        self.train_batches = None       # batches of this worker's training reader
         self._undo = []
+
+    def iters_per_epoch(self):
+        """Micro-batches of one epoch: this worker's part of the training reader."""
+        if self.train_batches is None:
+            raise ValueError("--batch-schedule needs the epoch's length, taken from the "
+                             "script's training mx.io.ImageRecordIter (with path_imgidx) "
+                             "before its first step; this script made none")
+        return self.train_batches
 
     def __enter__(self):
         self.install()
@@ -197,6 +216,12 @@ class DistributedPatches:
                 trainer._scale /= num_workers
                 trainer._mxhylo_paced = True
                 pace_schedule(trainer, num_workers)
+                if self.batch_schedule:
+                    from mxhylo import schedules
+                    schedules.attach(trainer, iters_per_epoch=self.iters_per_epoch,
+                                     batch=schedules.StepBatch(self.batch_schedule),
+                                     lr_scaling=None if self.batch_lr == "none"
+                                     else "linear")
             else:
                 trainer_init(*bound.args, **bound.kwargs)
         self._set(gluon.Trainer, "__init__", init_with_job_store)
@@ -213,6 +238,7 @@ class DistributedPatches:
         rec_iter = mx.io.ImageRecordIter
         say = self.say
         shard_all = self.shard_all_readers
+        patches = self
 
         @functools.wraps(rec_iter)
         def sharded_rec_iter(*args, **kwargs):
@@ -223,6 +249,9 @@ class DistributedPatches:
                 kwargs["num_parts"], kwargs["part_index"] = num_workers, kv.rank
                 say("ImageRecordIter %s: training reader, this worker reads part %d of "
                     "%d" % (path, kv.rank, num_workers))
+                if patches.batch_schedule and kwargs.get("path_imgidx"):
+                    patches.train_batches = reader_batches(
+                        kwargs["path_imgidx"], kwargs.get("batch_size", 1), num_workers)
             else:
                 say("ImageRecordIter %s: evaluation reader (no shuffle, no random "
                     "augmentation), this worker reads all of it (--shard-all-readers "
@@ -252,6 +281,15 @@ class DistributedPatches:
         while self._undo:
             owner, attr, value = self._undo.pop()
             setattr(owner, attr, value)
+
+
+def reader_batches(path_imgidx, batch_size, num_parts):
+    """Batches of one part of ``num_parts`` of the records listed in ``path_imgidx``
+    (an ImageRecordIter's epoch, its last batch padded as round_batch does)."""
+    with open(path_imgidx) as f:
+        records = sum(1 for line in f if line.strip())
+    part = -(-records // num_parts)
+    return max(1, -(-part // int(batch_size)))
 
 
 # ----------------------------------------------------------------------------- running the script
@@ -288,7 +326,9 @@ def run_worker(args):
     set_active(kv)
     _say("kvstore %s: rank %d of %d workers" % (args.kvstore, kv.rank, kv.num_workers))
     try:
-        with DistributedPatches(kv, shard_all_readers=args.shard_all_readers):
+        with DistributedPatches(kv, shard_all_readers=args.shard_all_readers,
+                                batch_schedule=args.batch_schedule,
+                                batch_lr=args.batch_lr):
             run_script(args.script, args.script_args)
     except SystemExit as exc:
         code = exc.code
@@ -305,6 +345,18 @@ def run_worker(args):
              "processes" % args.script)
         _exit_now(EXIT_SCRIPT_FAILED)
     return 0
+
+
+def _epochs(text):
+    try:
+        epochs = [float(e) for e in text.split(",") if e.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected epochs separated by commas, e.g. "
+                                         "10,20; got %r" % (text,)) from None
+    if not epochs or any(b <= a for a, b in zip(epochs, epochs[1:])) or epochs[0] < 0:
+        raise argparse.ArgumentTypeError("expected increasing epochs >= 0, got %r"
+                                         % (text,))
+    return epochs
 
 
 def build_parser():
@@ -324,6 +376,14 @@ def build_parser():
                    help="shard every mx.io.ImageRecordIter across the workers, not only "
                         "training readers (those that shuffle or augment at random): for "
                         "scripts whose training reader is deterministic")
+    p.add_argument("--batch-schedule", type=_epochs, default=None, metavar="E1,E2,...",
+                   help="grow the batch by gradient accumulation: the Trainer takes one "
+                        "update per k micro-batches, k = 1 doubled at each epoch listed "
+                        "(mxhylo.schedules.StepBatch); the epoch's length comes from the "
+                        "training ImageRecordIter")
+    p.add_argument("--batch-lr", choices=("linear", "none"), default="linear",
+                   help="with --batch-schedule: the lr times k (linear, the default), or "
+                        "the script's own (none: the growing batch replaces lr decay)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER,
                    help="its arguments (everything after SCRIPT)")

@@ -135,6 +135,13 @@ def check_momentum(m):
     return m
 
 
+def check_iters_per_epoch(n):
+    if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+        raise ValueError("iters_per_epoch must be an int >= 1 (the step() calls of one "
+                         "epoch), got %r" % (n,))
+    return n
+
+
 def check_k(k, epoch):
     """``k`` as an int, or ValueError unless it is an int >= 1."""
     if isinstance(k, float) and k.is_integer():
@@ -178,9 +185,8 @@ class TrainerSchedules:
     micro-batches per update of the accumulation in progress."""
 
     def __init__(self, iters_per_epoch, batch=None, momentum=None, lr_scaling="linear"):
-        if not (isinstance(iters_per_epoch, int) and iters_per_epoch >= 1):
-            raise ValueError("iters_per_epoch must be an int >= 1 (the step() calls of "
-                             "one epoch), got %r" % (iters_per_epoch,))
+        if not callable(iters_per_epoch):
+            iters_per_epoch = check_iters_per_epoch(iters_per_epoch)
         if lr_scaling not in LR_SCALINGS:
             raise ValueError("lr_scaling must be 'linear' or None, got %r" % (lr_scaling,))
         self.iters_per_epoch, self.batch, self.momentum = iters_per_epoch, batch, momentum
@@ -192,6 +198,8 @@ class TrainerSchedules:
 
     def epoch(self, micro_batches=None):
         """The epoch (float) after ``micro_batches`` step() calls (default: so far)."""
+        if callable(self.iters_per_epoch):      # known once training starts (mxhylo.run)
+            self.iters_per_epoch = check_iters_per_epoch(self.iters_per_epoch())
         n = self.micro_batches if micro_batches is None else micro_batches
         return n / float(self.iters_per_epoch)
 
@@ -228,8 +236,10 @@ def attach(trainer, iters_per_epoch, batch=None, momentum=None, lr_scaling="line
     """Give ``trainer`` (gluon.Trainer, mxhylo.LARSTrainer, hvd.DistributedTrainer) a
     batch schedule (epoch -> k micro-batches per update, e.g. :class:`StepBatch`)
     and/or a momentum schedule (epoch -> m in [0, 1), e.g. :class:`OneCycleMomentum`).
-    Returns the TrainerSchedules, also at ``trainer.schedules``. See the module
-    docstring for what changes; call it before the Trainer's first step."""
+    ``iters_per_epoch``: the step() calls of one epoch (or a function returning it,
+    called at the first step). Returns the TrainerSchedules, also at
+    ``trainer.schedules``. See the module docstring for what changes; call it before
+    the Trainer's first step."""
     if getattr(trainer, "schedules", None) is not None:
         raise ValueError("this Trainer already has schedules attached")
     if trainer._kv_initialized:

@@ -352,15 +352,17 @@ def test_killed_worker_ends_job(tmp_path):
     print("worker kill -> job ended in %.2f s" % elapsed)
 
 
-def _digits_rec(path, n):
+def _digits_rec(path, n, idx=None):
     import mxnet as mx
     from mxhylo.data import load_digits
     x, y, _, _ = load_digits()
-    w = mx.recordio.MXRecordIO(str(path), "w")
+    w = mx.recordio.MXIndexedRecordIO(str(idx), str(path), "w") if idx else \
+        mx.recordio.MXRecordIO(str(path), "w")
     for i in range(n):
         img = np.round(x[i, 0] * 255).astype(np.uint8)
-        w.write(mx.recordio.pack_img(mx.recordio.IRHeader(0, float(y[i]), i, 0), img,
-                                     img_fmt=".png"))
+        record = mx.recordio.pack_img(mx.recordio.IRHeader(0, float(y[i]), i, 0), img,
+                                      img_fmt=".png")
+        w.write_idx(i, record) if idx else w.write(record)
     w.close()
 
 
@@ -453,6 +455,33 @@ def test_run_keeps_schedule_and_validation_of_unmodified_script(tmp_path):
     assert "final lr 0 after 8 updates" in single, single
     # Without pacing each worker would be half-way through the cosine (lr 0.05).
     assert out.count("final lr 0 after 8 updates") == 2, out
+
+
+@pytest.mark.timeout(120)
+def test_run_batch_schedule_grows_the_batch_of_an_unmodified_script(tmp_path):
+    """mxhylo.run --batch-schedule 1: the script's Trainers take one update per
+    micro-batch in epoch 0 and one per 2 in epoch 1 (the epoch's length from the
+    training reader's .idx: 4 batches of each worker's half), and the cosine schedule,
+    read at W times the micro-batches, still ends at 0 with the last epoch."""
+    b, n_train = 32, 256
+    rec, idx = tmp_path / "train.rec", tmp_path / "train.idx"
+    _digits_rec(rec, n_train, idx=idx)
+    rc, out, _ = run_launcher(
+        ["-n", "2", "-s", "1", PY, "-m", "mxhylo.run", "--kvstore", "dist_sync",
+         "--batch-schedule", "1", STANDIN, "--batch-size", str(b), "--rec-train",
+         str(rec), "--rec-train-idx", str(idx), "--shuffle", "--lr-mode", "cosine",
+         "--num-training-samples", str(n_train), "--num-epochs", "2", "--save-dir",
+         str(tmp_path)], tmp_path)
+    assert rc == 0, out
+    assert out.count("epoch 1: 4 batches") == 2, out          # each worker read half
+    assert out.count("final lr 0 after 6 updates") == 2, out  # 4 + 4 / 2
+    dist = [np.load(p) for p in sorted(tmp_path.glob("params-*.npz"))]
+    for k in dist[0].files:
+        np.testing.assert_array_equal(dist[0][k], dist[1][k], err_msg=k)
+    bad = subprocess.run([PY, "-m", "mxhylo.run", "--batch-schedule", "2,1", STANDIN],
+                         cwd=str(tmp_path), env=clean_env(), stderr=subprocess.PIPE,
+                         timeout=60)
+    assert bad.returncode == 2 and b"expected increasing epochs" in bad.stderr
 
 
 def test_run_patch_helpers():

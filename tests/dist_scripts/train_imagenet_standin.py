@@ -20,6 +20,7 @@ from mxnet import autograd, gluon
 def parse_args():
     parser = argparse.ArgumentParser(description="Train a model on a .rec file.")
     parser.add_argument("--rec-train", type=str, required=True)
+    parser.add_argument("--rec-train-idx", type=str, default="")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--num-epochs", type=int, default=1)
     parser.add_argument("--optimizer", type=str, default="nag")
@@ -35,9 +36,10 @@ def parse_args():
     return parser.parse_args()
 
 
-def get_data_rec(rec_train, batch_size, shuffle):
+def get_data_rec(rec_train, rec_train_idx, batch_size, shuffle):
     return mx.io.ImageRecordIter(
-        path_imgrec=rec_train, data_shape=(1, 8, 8), batch_size=batch_size,
+        path_imgrec=rec_train, path_imgidx=rec_train_idx, data_shape=(1, 8, 8),
+        batch_size=batch_size,
         shuffle=shuffle, preprocess_threads=1, scale=1.0 / 255)
 
 
@@ -71,7 +73,7 @@ def main():
         optimizer_params["momentum"] = opt.momentum
     trainer = gluon.Trainer(net.collect_params(), opt.optimizer, optimizer_params)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-    train_data = get_data_rec(opt.rec_train, opt.batch_size, opt.shuffle)
+    train_data = get_data_rec(opt.rec_train, opt.rec_train_idx, opt.batch_size, opt.shuffle)
     val_data = get_val_rec(opt.rec_val, opt.batch_size) if opt.rec_val else None
     for epoch in range(opt.num_epochs):
         train_data.reset()
