@@ -289,6 +289,25 @@ def test_tta_summaries():
     assert s["hylo"]["best_peer"] == "dist_sync_fp16"
     assert s["hylo"]["time_to_target_speedup_vs_best_peer"] == pytest.approx(10.0 / 8.0)
     assert s["hylo"]["time_to_target_speedup_vs_dist_sync"] == pytest.approx(25.0 / 8.0)
+    # paired by seed: hylo seed 0 -0.5 point, seed 1 -2.0 points against dist_sync
+    gap = s["hylo"]["paired_gap_points"]
+    assert (gap["vs"], gap["n"]) == ("dist_sync", 2)
+    assert gap["mean"] == pytest.approx(-1.25) and gap["worst"] == pytest.approx(-2.0)
+    assert "paired_gap_points" not in s["dist_sync"]
+    # a dynamic mode: against its fixed twin too, and its exchanges counted
+    dyn = run(3.0, [0.9, 0.96, 0.97], 0)
+    for h, updates in zip(dyn[0]["history"], (10, 15, 18)):
+        h["updates"] = updates
+    runs["hylo_dynamic"] = [train.summarise_tta_run(dyn, 0.95)]
+    assert runs["hylo_dynamic"][0]["updates_per_epoch"] == [10, 5, 3]
+    s = train.summarise_tta(runs)
+    d = s["hylo_dynamic"]
+    assert d["updates"] == 18
+    assert d["paired_gap_vs_fixed_points"]["vs"] == "hylo"
+    assert d["paired_gap_vs_fixed_points"]["mean"] == pytest.approx(0.5)
+    assert d["time_to_target_speedup_vs_fixed"] == pytest.approx(8.0 / 6.0)
+    lines = train.format_tta_table({"runs": runs, "summary": s})
+    assert any("paired final accuracy vs hylo +0.50" in l for l in lines), lines
 
 
 def test_steps_per_epoch_uses_the_smallest_part():

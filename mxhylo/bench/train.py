@@ -72,7 +72,7 @@ from .. import launch
 WORKER = "mxhylo.bench.train_worker"
 
 DEFAULT_MODES = ("dist_sync", "dist_sync_fp16", "hylo_densepull", "hylo")
-HYLO_MODES = ("hylo_densepull", "hylo", "hylo_nooverlap", "hylo_workers")
+HYLO_MODES = ("hylo_densepull", "hylo", "hylo_nooverlap", "hylo_workers", "hylo_dynamic")
 BASELINE = "dist_sync"
 PS_PORT = 9091
 FULL_SIZE_MODELS = ("vgg", "alexnet")     # classifier shapes depend on the input size
@@ -161,6 +161,9 @@ def add_arguments(parser):
     g.add_argument("--tta-lr", type=float, default=0.03,
                    help="peak SGD learning rate, cosine decay to 0 (default 0.03)")
     g.add_argument("--tta-epochs", type=int, default=15, help="epochs per run (15)")
+    g.add_argument("--tta-batch-schedule", default="5,10", metavar="E1,E2,...",
+                   help="the *_dynamic modes: k micro-batches per update, 1 doubled at "
+                        "each epoch listed (default 5,10)")
     g.add_argument("--target", type=float, default=0.95,
                    help="target validation accuracy (default 0.95)")
     g.add_argument("--seeds", type=int, default=3, help="seeds per mode (default 3)")
@@ -211,6 +214,15 @@ def check_args(args):
             raise ValueError("--target is an accuracy in (0, 1], got %g" % args.target)
         if args.seeds < 1 or args.tta_epochs < 1 or args.tta_batch_size < 1:
             raise ValueError("--seeds, --tta-epochs and --tta-batch-size must be >= 1")
+        try:
+            out["batch_schedule"] = [float(e) for e in args.tta_batch_schedule.split(",")
+                                     if e.strip()]
+        except ValueError:
+            raise ValueError("--tta-batch-schedule: epochs separated by commas, got %r"
+                             % args.tta_batch_schedule) from None
+        if any(b <= a for a, b in zip(out["batch_schedule"], out["batch_schedule"][1:])):
+            raise ValueError("--tta-batch-schedule: epochs must increase, got %r"
+                             % args.tta_batch_schedule)
         if args.tta_size < 8:
             raise ValueError("--tta-size must be >= 8 (the digits are 8x8), got %d"
                              % args.tta_size)
@@ -403,6 +415,8 @@ def summarise_tta_run(worker_results, target, before=None, after=None):
            "train_s": history[-1]["train_s"] if history else None,
            "wall_s": history[-1]["wall_s"] if history else None,
            "steps_per_epoch": rank0[0]["steps_per_epoch"],
+           "updates_per_epoch": [h["updates"] - (history[i - 1]["updates"] if i else 0)
+                                 for i, h in enumerate(history) if "updates" in h],
            "setup_s": max(r["setup_s"] for r in worker_results),
            "update_on_kvstore": rank0[0].get("update_on_kvstore")}
     steps = history[-1]["steps"] if history else 0
@@ -443,7 +457,25 @@ def summarise_tta(runs, baseline=BASELINE):
     peers = {m: s["time_to_target_s"]["median"] for m, s in out.items()
              if is_peer(m) and s["time_to_target_s"]}
     peer = min(peers, key=peers.get) if peers else None
+    finals_of = {m: {r["seed"]: r["final_accuracy"] for r in rs if r.get("status") == "ok"
+                     and r.get("final_accuracy") is not None} for m, rs in runs.items()}
     for mode, s in out.items():
+        s["updates"] = sum(sum(r.get("updates_per_epoch") or [0]) for r in runs[mode]
+                           if r.get("status") == "ok") / max(1, s["ok"])
+        # the same seed in both modes: differences, not a difference of means; a
+        # *_dynamic mode also against its fixed-schedule twin
+        twin = mode[:-len("_dynamic")] if mode.endswith("_dynamic") else None
+        for key, other in (("paired_gap_points", baseline),
+                           ("paired_gap_vs_fixed_points", twin)):
+            paired = [100.0 * (finals_of[mode][seed] - finals_of[other][seed])
+                      for seed in sorted(finals_of[mode]) if seed in finals_of.get(other, {})]
+            if paired and mode != other:
+                s[key] = {"vs": other, "mean": statistics.mean(paired), "sd": (
+                    statistics.stdev(paired) if len(paired) > 1 else 0.0),
+                    "n": len(paired), "worst": min(paired)}
+        if twin in out and out[twin]["time_to_target_s"] and s["time_to_target_s"]:
+            s["time_to_target_speedup_vs_fixed"] = (
+                out[twin]["time_to_target_s"]["median"] / s["time_to_target_s"]["median"])
         if base and base["final_accuracy"] and s["final_accuracy"]:
             s["accuracy_gap_points"] = 100.0 * (s["final_accuracy"]["mean"]
                                                 - base["final_accuracy"]["mean"])
@@ -552,6 +584,18 @@ def format_tta_table(report):
         if s.get("time_to_target_speedup_vs_best_peer") and not is_peer(mode):
             lines[-1] += ", %.2fx vs the best peer (%s)" % (
                 s["time_to_target_speedup_vs_best_peer"], s["best_peer"])
+        extra = ["%.0f exchanges a run" % s["updates"]] if s.get("updates") else []
+        for key in ("paired_gap_points", "paired_gap_vs_fixed_points"):
+            if key in s:
+                p = s[key]
+                extra.append("paired final accuracy vs %s %+.2f points (sd %.2f, worst "
+                             "%+.2f, %d seeds)" % (p["vs"], p["mean"], p["sd"], p["worst"],
+                                                  p["n"]))
+        if s.get("time_to_target_speedup_vs_fixed"):
+            extra.append("%.2fx faster to target than the fixed batch"
+                         % s["time_to_target_speedup_vs_fixed"])
+        if extra:
+            lines.append("%-15s  %s" % ("", "; ".join(extra)))
     return lines
 
 
@@ -909,6 +953,7 @@ def _run_tta(args, parsed, common, report, topo, tmp, skipped):
                             lr_schedule="cosine to 0 over all steps (optimizer lr_scheduler)", epochs=args.tta_epochs,
                             target=args.target, seeds=args.seeds, train_images=n_train,
                             steps_per_epoch=spe,
+                            batch_schedule=parsed["batch_schedule"],
                             data="scikit-learn digits as .rec (grey, %dpx), mean 128 std "
                                  "64, no augmentation" % args.tta_size)
     report["notes"] = [
@@ -940,7 +985,8 @@ def _run_tta(args, parsed, common, report, topo, tmp, skipped):
                           batch_size=args.tta_batch_size, lr=args.tta_lr,
                           momentum=args.momentum, wd=args.wd, epochs=args.tta_epochs,
                           steps_per_epoch=spe, seed=seed, hybridize=args.hybridize,
-                          hylo_options=parsed["hylo_options"])
+                          hylo_options=parsed["hylo_options"],
+                          batch_schedule=parsed["batch_schedule"])
             _log("tta %s seed %d (time limit %.0f s)..." % (mode, seed, timeout))
             t0 = time.monotonic()
             try:

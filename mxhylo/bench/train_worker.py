@@ -192,6 +192,23 @@ class HyloHorovod(HyloMode):
                    "W processes, no servers")
 
 
+class DistSyncDynamic(DistSync):
+    """dist_sync with a growing batch (mxhylo.schedules, the run's --tta-batch-schedule):
+    k micro-batches per update, doubled at each listed epoch, the lr times k; the
+    update then runs on the workers (a schedule changes the optimizer)."""
+    description = ("MXNet dist_sync, dense, with mxhylo.schedules.StepBatch (k doubled at "
+                   "each epoch of --tta-batch-schedule, lr times k; update on the workers)")
+    dynamic = True
+
+
+class HyloDynamic(HyloMode):
+    """hylo's default store with a growing batch, as DistSyncDynamic."""
+    description = ("mxhylo.create('dist_sync_hylo') with its defaults and "
+                   "mxhylo.schedules.StepBatch (k doubled at each epoch of "
+                   "--tta-batch-schedule, lr times k; the workers' route)")
+    dynamic = True
+
+
 MODES = {
     "dist_sync": DistSync,
     "dist_sync_workerupdate": DistSyncWorkerUpdate,
@@ -203,6 +220,8 @@ MODES = {
     "horovod_dense": HorovodDense,
     "horovod_fp16": HorovodFP16,
     "hylo_horovod": HyloHorovod,
+    "dist_sync_dynamic": DistSyncDynamic,
+    "hylo_dynamic": HyloDynamic,
 }
 
 
@@ -427,6 +446,11 @@ def run_tta(cfg, index):
                                                final_lr=0.0)
     kv, trainer = make_trainer(cfg, net, cfg["lr"], lr_scheduler=schedule)
     rank, W = int(kv.rank), int(kv.num_workers)
+    sched = None
+    if getattr(MODES[cfg["mode"]], "dynamic", False):
+        from mxhylo import schedules
+        sched = schedules.attach(trainer, iters_per_epoch=steps_per_epoch,
+                                 batch=schedules.StepBatch(cfg["batch_schedule"]))
     norm = {"mean": 128.0, "std": 64.0}
     train = RecordLoader(cfg["train_rec"], cfg["train_idx"], B, (1, S, S), shuffle=True,
                          seed=cfg["seed"] * 1000 + rank, num_parts=W, part_index=rank,
@@ -459,7 +483,9 @@ def run_tta(cfg, index):
             step += 1
         mx.nd.waitall()
         train_s += time.perf_counter() - t0
-        entry = {"epoch": epoch + 1, "steps": step, "train_s": train_s,
+        entry = {"epoch": epoch + 1, "steps": step,
+                 "updates": trainer.schedules.updates if sched is not None else step,
+                 "train_s": train_s,
                  "wall_s": time.perf_counter() - wall0}
         if val is not None:
             entry["accuracy"] = evaluate(net, val)
