@@ -326,3 +326,21 @@ def test_cosine_schedule_ramps_then_ends_at_zero():
         lr_scheduler("step", 0.1, 100, 0)
     with pytest.raises(ValueError, match="does not fit"):
         lr_scheduler("cosine", 0.1, 10, 10)
+
+
+def test_schedules_example_grows_the_batch_and_cycles_the_momentum(tmp_path):
+    """examples/train_schedules.py in one process: k doubles at epochs 4 and 8, the
+    exchanges per epoch halve with it, the momentum is back at its high at the end, and
+    the net learns the digits."""
+    out = tmp_path / "log-{rank}.json"
+    rc, log = _run([sys.executable, os.path.join(ROOT, "examples", "train_schedules.py"),
+                    "--json", str(out)], timeout=180)
+    assert rc == 0, log[-3000:]
+    epochs = json.load(open(str(out).format(rank=0)))["log"]
+    assert [e["k"] for e in epochs] == [1] * 4 + [2] * 4 + [4] * 4
+    # 42 micro-batches an epoch (1348 images, batch 32): 42, then 21, then 10.5 updates
+    updates = [e["updates"] for e in epochs]
+    assert updates[3] == 4 * 42 and updates[7] == updates[3] + 4 * 21, updates
+    assert updates[-1] == updates[7] + 42, updates
+    assert epochs[5]["momentum"] < epochs[-1]["momentum"] == pytest.approx(0.95)
+    assert epochs[-1]["accuracy"] > 0.9, epochs

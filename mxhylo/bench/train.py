@@ -664,7 +664,11 @@ def write_tta_plot(report, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    cfg = report["config"]
+    dynamic = any(m.endswith("_dynamic") for m in report["runs"])
+    fig, axes = plt.subplots(2 if dynamic else 1, 1, figsize=(8, 8 if dynamic else 5),
+                             squeeze=False, sharex=True)
+    ax = axes[0][0]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     styles = ("-", "--", ":", "-.")
     for j, mode in enumerate(_ordered(report, report["runs"])):
@@ -675,9 +679,19 @@ def write_tta_plot(report, path):
             ys = [h["accuracy"] for h in r["history"]]
             ax.plot(xs, ys, styles[k % len(styles)], marker=".", color=colors[j % len(colors)],
                     label="%s seed %d" % (mode, r["seed"]))
-    cfg = report["config"]
+            if dynamic and k == 0 and r.get("updates_per_epoch"):
+                # the global batch of each epoch's updates: its micro-batches per update
+                per_update = [cfg["batch_size"] * cfg["workers"] * r["steps_per_epoch"] / u
+                              for u in r["updates_per_epoch"]]
+                axes[1][0].step([0.0] + xs, per_update + per_update[-1:], where="post",
+                                color=colors[j % len(colors)], label=mode)
+    if dynamic:
+        axes[1][0].set_ylabel("samples per update (all workers)")
+        axes[1][0].set_xlabel("training seconds (evaluation excluded); first seed")
+        axes[1][0].legend(fontsize=7)
     ax.axhline(cfg["target"], color="k", lw=0.8, ls="--", label="target %.2f" % cfg["target"])
-    ax.set_xlabel("training seconds (evaluation excluded)")
+    if not dynamic:
+        ax.set_xlabel("training seconds (evaluation excluded)")
     ax.set_ylabel("validation accuracy (rank 0)")
     ax.set_ylim(max(0.0, cfg["target"] - 0.35), 1.0)
     ax.legend(fontsize=7, ncol=2)
