@@ -1,6 +1,7 @@
 """Gradient accumulation (mxhylo.schedules) in real 2-worker jobs over the parameter
-server: k micro-batches per update give one process's step on the whole batch, under
-MXNet's dist_sync and under the hylo store with compression off
+server (and under horovodrun): k micro-batches per update give one process's step on
+the whole batch, under MXNet's dist_sync, the hylo store with compression off and
+Horovod's DistributedTrainer
 (tests/user_scripts/accumulate.py checks it inside each worker).
 
 Each job has the launcher's timeout and one on the whole command; the launcher picks
@@ -21,10 +22,17 @@ SCRIPT = os.path.join(ROOT, "tests", "user_scripts", "accumulate.py")
 TIMEOUT_S = 120
 
 
+HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+
+
 def run(tmp_path, kvstore):
     out = str(tmp_path / "r-{rank}.json")
-    cmd = [sys.executable, "-m", "mxhylo.launch", "-n", "2", "-s", "1", "--timeout",
-           str(TIMEOUT_S), sys.executable, SCRIPT, "--kvstore", kvstore, "--out", out]
+    if kvstore == "horovod":
+        cmd = [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
+               SCRIPT, "--kvstore", kvstore, "--out", out]
+    else:
+        cmd = [sys.executable, "-m", "mxhylo.launch", "-n", "2", "-s", "1", "--timeout",
+               str(TIMEOUT_S), sys.executable, SCRIPT, "--kvstore", kvstore, "--out", out]
     proc = subprocess.Popen(cmd, cwd=str(tmp_path), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -44,7 +52,7 @@ def run(tmp_path, kvstore):
     return [json.load(open(out.format(rank=r))) for r in (0, 1)]
 
 
-@pytest.mark.parametrize("kvstore", ["dist_sync", "dist_sync_hylo"])
+@pytest.mark.parametrize("kvstore", ["dist_sync", "dist_sync_hylo", "horovod"])
 def test_accumulated_updates_equal_one_process_on_the_whole_batch(tmp_path, kvstore):
     reports = run(tmp_path, kvstore)
     for r in reports:

@@ -4,9 +4,11 @@ mxhylo.schedules.
 
     python -m mxhylo.launch -n 2 -s 1 python accumulate.py --kvstore dist_sync --out r-{rank}.json
     python -m mxhylo.launch -n 2 -s 1 python accumulate.py --kvstore dist_sync_hylo --out ...
+    horovodrun -np 2 -H localhost:2 --gloo python accumulate.py --kvstore horovod --out ...
 
 Each worker w trains a net without BatchNorm on its own micro-batches (numpy
-RandomState(w)) with a Trainer given the store's name, momentum SGD with weight decay,
+RandomState(w)) with a Trainer given the store (or Horovod's DistributedTrainer),
+momentum SGD with weight decay,
 and ``schedules.attach(trainer, batch=StepBatch([2], base=2))``: 2 micro-batches an
 update for the first 2 epochs (2 updates of 2 micro-batches an epoch), then 4 (2 updates), the lr doubled with k.
 The reference, in the same process: a Trainer without a kvstore stepping once per
@@ -62,14 +64,21 @@ def step(n, trainer, x, y, batch_size):
     trainer.step(batch_size)
 
 
-if "hylo" in args.kvstore:
-    kv = mxhylo.create(args.kvstore, policy={".*": "none"})    # compression off
-else:
-    kv = mx.kv.create(args.kvstore)
-rank, workers = kv.rank, kv.num_workers
-
 acc = net()
-trainer = gluon.Trainer(acc.collect_params(), "sgd", dict(OPTS), kvstore=kv)
+if args.kvstore == "horovod":
+    import horovod.mxnet as hvd
+    hvd.init()
+    kv, rank, workers = None, hvd.rank(), hvd.size()
+    hvd.broadcast_parameters(acc.collect_params(), root_rank=0)
+    trainer = hvd.DistributedTrainer(acc.collect_params(), "sgd", dict(OPTS))
+    averaged = workers            # Horovod averages the workers' gradients
+else:
+    if "hylo" in args.kvstore:
+        kv = mxhylo.create(args.kvstore, policy={".*": "none"})    # compression off
+    else:
+        kv = mx.kv.create(args.kvstore)
+    rank, workers, averaged = kv.rank, kv.num_workers, 1
+    trainer = gluon.Trainer(acc.collect_params(), "sgd", dict(OPTS), kvstore=kv)
 sched = schedules.attach(trainer, iters_per_epoch=ITERS_PER_EPOCH,
                          batch=schedules.StepBatch([2], base=2))
 for x, y in micro_batches(rank):
@@ -84,14 +93,15 @@ for k in KS:
     xs = [data[w][i][0] for w in range(workers) for i in range(first, first + k)]
     ys = [data[w][i][1] for w in range(workers) for i in range(first, first + k)]
     # the store sums the workers' gradients, each the mean over its own k micro-batches
-    step(ref, ref_trainer, np.concatenate(xs), np.concatenate(ys), k * MICRO)
+    # (Horovod averages them: the mean over all)
+    step(ref, ref_trainer, np.concatenate(xs), np.concatenate(ys), k * MICRO * averaged)
     first += k
 
 worst = 0.0
 for (name, a), b in zip(acc.collect_params().items(), ref.collect_params().values()):
     a, b = a.data().asnumpy(), b.data().asnumpy()
     worst = max(worst, float(np.max(np.abs(a - b) / (np.abs(b) + 1e-6))))
-route = kv.plan().route if hasattr(kv, "plan") else None
+route = kv.plan().route if kv is not None and hasattr(kv, "plan") else None
 with open(args.out.format(rank=rank), "w") as f:
     json.dump({"rank": rank, "workers": workers, "max_rel_diff": worst,
                "updates": sched.updates, "k": sched.k,
