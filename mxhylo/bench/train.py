@@ -164,6 +164,9 @@ def add_arguments(parser):
     g.add_argument("--tta-batch-schedule", default="5,10", metavar="E1,E2,...",
                    help="the *_dynamic modes: k micro-batches per update, 1 doubled at "
                         "each epoch listed (default 5,10)")
+    g.add_argument("--tta-batch-lr", choices=("linear", "none"), default="linear",
+                   help="the *_dynamic modes: the lr times k (linear, the default) or "
+                        "the cosine schedule's own (none)")
     g.add_argument("--target", type=float, default=0.95,
                    help="target validation accuracy (default 0.95)")
     g.add_argument("--seeds", type=int, default=3, help="seeds per mode (default 3)")
@@ -968,6 +971,7 @@ def _run_tta(args, parsed, common, report, topo, tmp, skipped):
                             target=args.target, seeds=args.seeds, train_images=n_train,
                             steps_per_epoch=spe,
                             batch_schedule=parsed["batch_schedule"],
+                            batch_lr=args.tta_batch_lr,
                             data="scikit-learn digits as .rec (grey, %dpx), mean 128 std "
                                  "64, no augmentation" % args.tta_size)
     report["notes"] = [
@@ -1000,7 +1004,8 @@ def _run_tta(args, parsed, common, report, topo, tmp, skipped):
                           momentum=args.momentum, wd=args.wd, epochs=args.tta_epochs,
                           steps_per_epoch=spe, seed=seed, hybridize=args.hybridize,
                           hylo_options=parsed["hylo_options"],
-                          batch_schedule=parsed["batch_schedule"])
+                          batch_schedule=parsed["batch_schedule"],
+                          batch_lr=args.tta_batch_lr)
             _log("tta %s seed %d (time limit %.0f s)..." % (mode, seed, timeout))
             t0 = time.monotonic()
             try:

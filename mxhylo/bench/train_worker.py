@@ -197,7 +197,8 @@ class DistSyncDynamic(DistSync):
     k micro-batches per update, doubled at each listed epoch, the lr times k; the
     update then runs on the workers (a schedule changes the optimizer)."""
     description = ("MXNet dist_sync, dense, with mxhylo.schedules.StepBatch (k doubled at "
-                   "each epoch of --tta-batch-schedule, lr times k; update on the workers)")
+                   "each epoch of --tta-batch-schedule, lr times k unless --tta-batch-lr none; "
+                   "update on the workers)")
     dynamic = True
 
 
@@ -205,7 +206,8 @@ class HyloDynamic(HyloMode):
     """hylo's default store with a growing batch, as DistSyncDynamic."""
     description = ("mxhylo.create('dist_sync_hylo') with its defaults and "
                    "mxhylo.schedules.StepBatch (k doubled at each epoch of "
-                   "--tta-batch-schedule, lr times k; the workers' route)")
+                   "--tta-batch-schedule, lr times k unless --tta-batch-lr none; the workers' "
+                   "route)")
     dynamic = True
 
 
@@ -450,7 +452,9 @@ def run_tta(cfg, index):
     if getattr(MODES[cfg["mode"]], "dynamic", False):
         from mxhylo import schedules
         sched = schedules.attach(trainer, iters_per_epoch=steps_per_epoch,
-                                 batch=schedules.StepBatch(cfg["batch_schedule"]))
+                                 batch=schedules.StepBatch(cfg["batch_schedule"]),
+                                 lr_scaling=None if cfg.get("batch_lr") == "none"
+                                 else "linear")
     norm = {"mean": 128.0, "std": 64.0}
     train = RecordLoader(cfg["train_rec"], cfg["train_idx"], B, (1, S, S), shuffle=True,
                          seed=cfg["seed"] * 1000 + rank, num_parts=W, part_index=rank,
