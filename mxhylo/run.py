@@ -139,7 +139,10 @@ class DistributedPatches:
        (a cosine schedule would end far above 0).
     4. mx.io.ImageRecordIter (and its twin in mxnet.io.io): a training reader (one
        that shuffles or augments at random, is_training_reader) gets num_parts=W,
-       part_index=kv.rank when the script sets neither. Why: otherwise every worker
+       part_index=kv.rank when the script sets neither, and seed_aug=rank unless
+       the script sets it: MXNet seeds every process's augmenters alike, so two
+       workers would crop, mirror and jitter their i-th images identically, where one
+       process draws a different augmentation for every sample of its batch. Why: otherwise every worker
        reads the whole .rec and an epoch shows each sample W times. A deterministic
        reader is an evaluation reader and every worker reads all of it, so the
        accuracy a worker prints is over the whole validation set (trained weights
@@ -247,8 +250,11 @@ class DistributedPatches:
                 pass                            # the script shards it itself
             elif shard_all or is_training_reader(kwargs):
                 kwargs["num_parts"], kwargs["part_index"] = num_workers, kv.rank
+                if kwargs.get("seed_aug") is None:
+                    kwargs["seed_aug"] = kv.rank
                 say("ImageRecordIter %s: training reader, this worker reads part %d of "
-                    "%d" % (path, kv.rank, num_workers))
+                    "%d, augmentation seed %s" % (path, kv.rank, num_workers,
+                                                  kwargs["seed_aug"]))
                 if patches.batch_schedule and kwargs.get("path_imgidx"):
                     patches.train_batches = reader_batches(
                         kwargs["path_imgidx"], kwargs.get("batch_size", 1), num_workers)

@@ -447,6 +447,8 @@ def test_run_keeps_schedule_and_validation_of_unmodified_script(tmp_path):
     assert rc == 0, out
     assert out.count("epoch 1: 4 batches") == 2, out          # each worker read half
     assert out.count("training reader, this worker reads part") == 2, out
+    # each worker's augmenters get their own seed (MXNet seeds every process alike)
+    assert "augmentation seed 0" in out and "augmentation seed 1" in out, out
     assert out.count("validation: %d samples" % n_val) == 2, out     # the whole set
     single = subprocess.run(
         [PY, "-m", "mxhylo.run", STANDIN, "--batch-size", str(2 * b)] + common,
