@@ -53,6 +53,7 @@ namespaces that only this run uses, so they are free by construction.
 """
 import argparse
 import datetime
+import json
 import os
 import statistics
 import subprocess
@@ -990,6 +991,17 @@ def _run_tta(args, parsed, common, report, topo, tmp, skipped):
     failed = False
     port = PS_PORT
     total_steps = spe * args.tta_epochs
+    # each run as it ends, one JSON line: a run stopped early keeps what it measured
+    runs_file = (args.json + ".runs.jsonl") if getattr(args, "json", None) else None
+    if runs_file and os.path.exists(runs_file):
+        os.remove(runs_file)
+
+    def keep(mode, r):
+        runs[mode].append(r)
+        if runs_file:
+            with open(runs_file, "a") as f:
+                f.write(json.dumps(dict(r, mode=mode)) + "\n")
+
     for seed in range(args.seed, args.seed + args.seeds):
         for mode in parsed["modes"]:
             if mode in skipped:
@@ -1015,7 +1027,7 @@ def _run_tta(args, parsed, common, report, topo, tmp, skipped):
                 r = summarise_tta_run(results, args.target, counters.get("start"),
                                       counters.get("end"))
                 r["job_seconds"] = time.monotonic() - t0
-                runs[mode].append(r)
+                keep(mode, r)
                 t = r["time_to_target"]
                 _log("  final accuracy %.4f, %s, %.1f s training (job %.0f s)" % (
                     r["final_accuracy"], "target at %.1f s (epoch %d)" % (
@@ -1023,8 +1035,8 @@ def _run_tta(args, parsed, common, report, topo, tmp, skipped):
                     r["train_s"], r["job_seconds"]))
             except JobError as err:
                 failed = True
-                runs[mode].append({"status": "failed: %s" % err, "seed": seed,
-                                   "log_tail": err.log_tail})
+                keep(mode, {"status": "failed: %s" % err, "seed": seed,
+                            "log_tail": err.log_tail})
                 _log("  FAILED: %s\n%s" % (err, err.log_tail[-1500:]))
             port += 1
     report["runs"] = runs
