@@ -159,16 +159,23 @@ def test_momentum_state_checkpoint_resumes_bitwise(tmp_path):
         np.testing.assert_array_equal(a[k].asnumpy(), b[k].asnumpy(), err_msg=k)
 
 
+# a fixed momentum, and one that a schedule (mxhylo.schedules) changes at every step
+MOMENTA = {"fixed": [0.9] * 10, "scheduled": [0.95, 0.9, 0.85, 0.8, 0.9, 0.5, 0.3, 0.7,
+                                              0.99, 0.9]}
+
+
+@pytest.mark.parametrize("momenta", sorted(MOMENTA))
 @pytest.mark.parametrize("strategy", ["conv_topk", "fc_2bit"])
-def test_held_gradients_keep_the_learning_rate_of_their_step(strategy, monkeypatch):
+def test_held_gradients_keep_the_learning_rate_of_their_step(strategy, momenta, monkeypatch):
     """Under a changing learning rate and rescale_grad, what the stages have sent, each
     step's send at its lr_t * c_t, plus the residual at the last step's, is exactly dense
-    momentum SGD's total update (the sum of its buffers B_t = m B_{t-1} + lr_t c_t g_t):
+    momentum SGD's total update (the sum of its buffers B_t = m_t B_{t-1} + lr_t c_t g_t):
     velocity and residual are kept in the coming step's units (kvstore.momentum,
-    "Units"). The bound is off: it drops what it cuts, by design."""
+    "Units"), also where a schedule changes m_t at every step. The bound is off: it
+    drops what it cuts, by design."""
     monkeypatch.setattr(stages, "ROW_BOUND", 1e30)
     rng = np.random.RandomState(3)
-    m = 0.9
+    ms = MOMENTA[momenta]
     lrs = [0.1, 0.09, 0.07, 0.05, 0.05, 0.03, 0.02, 0.01, 0.004, 0.001]
     rescales = [0.5] * 6 + [0.25] + [0.5] * 3
     if strategy == "conv_topk":
@@ -182,7 +189,7 @@ def test_held_gradients_keep_the_learning_rate_of_their_step(strategy, monkeypat
     layer = Layer(0, plan, stages.chain(plan, kv.compressors, 0, memory))
     buffer, dense_total = np.zeros(plan.shape), np.zeros(plan.shape)
     applied = np.zeros(plan.shape)
-    for lr, c in zip(lrs, rescales):
+    for m, lr, c in zip(ms, lrs, rescales):
         g = rng.normal(size=plan.shape).astype(np.float32)
         buffer = m * buffer + lr * c * g.astype(np.float64)
         dense_total += buffer

@@ -167,7 +167,8 @@ def test_momentum_correction_is_exact_when_the_momentum_changes(monkeypatch):
     every update (and a cosine lr; 0 at one update, where MXNet's SGD leaves its buffer
     as it was), gives MXNet's momentum SGD's weights under the same momenta, to float32
     rounding. (Sending every row, velocity and correction cancel whatever m they use:
-    test_held_velocity_follows_a_changing_momentum is the one that sees m.)"""
+    tests/test_momentum.py test_held_gradients_keep_the_learning_rate_of_their_step,
+    with a changing momentum, is the one that sees m.)"""
     from mxhylo.kvstore import momentum
 
     momenta = [0.95, 0.9, 0.85, 0.8, 0.9, 0.5, 0.0, 0.7, 0.99, 0.9]
@@ -190,43 +191,6 @@ def test_momentum_correction_is_exact_when_the_momentum_changes(monkeypatch):
     fixed = _momentum_sgd_run(None, [0.9])
     _close(every_row, dense, rtol=1e-5, atol=1e-7)
     assert not np.allclose(fixed["fc_weight"], dense["fc_weight"], rtol=1e-4, atol=1e-6)
-
-
-@pytest.mark.parametrize("strategy", ["conv_topk", "fc_2bit"])
-def test_held_velocity_follows_a_changing_momentum(strategy, monkeypatch):
-    """Compressed (top-k sending 1 filter of 8, or 2-bit), with the momentum changing at
-    every step as a schedule sets it: what the stages sent, each step's at its lr_t c_t,
-    plus the residual at the last step's, is exactly dense momentum SGD's total update
-    under the same momenta (the sum of B_t = m_t B_{t-1} + lr_t c_t g_t). The bound is
-    off: it drops what it cuts, by design."""
-    from mxhylo.kvstore import momentum, stages
-    from mxhylo.kvstore.memory import ResidualMemory
-    from mxhylo.kvstore.pipeline import Layer
-
-    monkeypatch.setattr(stages, "ROW_BOUND", 1e30)
-    rng = np.random.RandomState(4)
-    momenta = [0.95, 0.9, 0.85, 0.8, 0.9, 0.5, 0.3, 0.7, 0.99, 0.9]
-    lrs = [0.1, 0.09, 0.07, 0.05, 0.05, 0.03, 0.02, 0.01, 0.004, 0.001]
-    kv = mxhylo.create(size_threshold=10, conv_rate=0.125, warmup_steps=0)
-    plan = kv.policy.plan("conv", (8, 2, 3, 3)) if strategy == "conv_topk" else \
-        kv.policy.plan("fc", (6, 20))
-    assert plan.strategy == strategy
-    memory = ResidualMemory()
-    layer = Layer(0, plan, stages.chain(plan, kv.compressors, 0, memory))
-    buffer, dense_total = np.zeros(plan.shape), np.zeros(plan.shape)
-    applied = np.zeros(plan.shape)
-    for m, lr in zip(momenta, lrs):
-        g = rng.normal(size=plan.shape).astype(np.float32)
-        buffer = m * buffer + lr * 0.5 * g.astype(np.float64)
-        dense_total += buffer
-        step = stages.Step(memory, momentum.MomentumContext(m, 0.5, lr))
-        payload = layer.stages.encode(layer, mx.nd.array(g), step)
-        sent = mx.nd.zeros(plan.shape)
-        kv.compressors[strategy].decode(payload, sent)
-        applied += lr * 0.5 * sent.asnumpy()
-        layer.stages.finish(layer, sent, step)
-    held = lrs[-1] * 0.5 * memory.get(plan.name).asnumpy()
-    np.testing.assert_allclose(applied + held, dense_total, rtol=1e-5, atol=1e-6)
 
 
 def _resumable(kv_factory, path, stop_at=None, total=12):
