@@ -133,8 +133,11 @@ class ConvTopK(Compressor):
         ops.scatter_kernels(indices, values, payload.shape, out=out, accumulate=accumulate)
 
 
+# (imported here, not at the top: the shared-scale codec extends TwoBit above)
+from .codec_shared import SharedTwoBit  # noqa: E402
+
 # The registry: every codec the policy can name (a strategy), one entry each.
-CODECS = (NoCompression, TwoBit, ConvTopK, Float16)
+CODECS = (NoCompression, TwoBit, ConvTopK, Float16, SharedTwoBit)
 CODEC_NAMES = tuple(c.name for c in CODECS)
 
 

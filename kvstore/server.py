@@ -6,7 +6,8 @@ update for every key once all workers have pushed it, with the summed pushes as 
 gradient and the stored array as the weight. ``ServerDecoder`` is such an optimizer:
 it carries the wire layout of every key (kvstore.wire) and, instead of updating
 weights, writes into the stored array what the workers pull: the dense float32
-aggregate, or the workers' payloads gathered (pull 'gather', exact). A server keeps
+aggregate, the workers' payloads gathered (pull 'gather', exact), or a shared-scale
+codec's integer sums (pull 'sum', exact). A server keeps
 no state of its own between steps but the route's optimizer state below.
 
 Keys of kind 'update' (kvstore.server_route: the dense route, where compression would
@@ -42,7 +43,7 @@ import mxnet as mx
 import numpy as np
 
 from .compressors import make_compressors
-from .wire import gather_values, rows_from_zero, slot_payload
+from .wire import gather_values, rows_from_zero, slot_payload, sum_values
 
 log = logging.getLogger("mxhylo.server")
 
@@ -282,6 +283,9 @@ class ServerState:
                 return
             if layout.kind == "probe":
                 stored[:] = received * 2 + 1      # proves to the workers that we decode
+                return
+            if layout.pull == "sum":        # a shared-scale codec: the codes' integer sums
+                stored[:] = rows_from_zero(layout, sum_values(layout, received))
                 return
             if layout.pull == "gather":     # the payloads as they came, for every worker
                 stored[:] = rows_from_zero(layout, gather_values(layout, received))

@@ -24,7 +24,9 @@ class Traffic:
     spent blocked on the layer's aggregate and decoding it (what the exchange costs it
     past the encode: the wire, the servers, the decode; a layer whose aggregate came
     while an earlier one was awaited costs little here); pushed_at: time.perf_counter()
-    when the layer's first push was handed to the network library (None: no push).
+    when the layer's first push was handed to the network library (None: no push);
+    agreed: a shared-scale codec's payload scalars summed over the workers, alike on
+    every worker (kvstore.codec_shared), or None.
     """
     pushed: int = 0
     pulled: int = 0
@@ -32,6 +34,7 @@ class Traffic:
     messages: int = 0
     pull_s: float = 0.0
     pushed_at: Optional[float] = None
+    agreed: Optional[tuple] = None
 
     def count(self, server, pushed=0, pulled=0, messages=0):
         self.pushed += pushed

@@ -32,7 +32,7 @@ import numpy as np
 
 from .compressors import make_compressors
 from .transport import Traffic, Transport
-from .wire import blob_payloads, payload_blob
+from .wire import blob_payloads, decode_sums, payload_blob, sum_payloads
 
 INSTALL_HINT = (
     "install Horovod with MXNet and Gloo into this environment (make setup does it): "
@@ -209,10 +209,17 @@ class HorovodTransport(Transport):
             if len(blobs) != self.num_workers:
                 raise RuntimeError("layer %r: %d payloads gathered from %d workers"
                                    % (g.layer.plan.name, len(blobs), self.num_workers))
-            g.out[:] = 0
-            for blob in blobs:      # rank order: the same float sums on every worker
-                p = blob.payload
-                self._codecs[p.strategy].decode(p, g.out.reshape(p.shape), accumulate=True)
+            payloads = [b.payload for b in blobs]
+            agreed = None
+            if getattr(self._codecs[payloads[0].strategy], "summable", False):
+                # a shared scale: the integer sums, as the servers' 'sum' pull
+                agreed, sums = sum_payloads(payloads, g.layer.plan.size)
+                g.out[:] = decode_sums(agreed, sums).reshape(g.out.shape)
+            else:
+                g.out[:] = 0
+                for p in payloads:      # rank order: the same float sums on every worker
+                    self._codecs[p.strategy].decode(p, g.out.reshape(p.shape),
+                                                    accumulate=True)
             sent, got = ring_allgather_bytes([b.nbytes for b in blobs], self.rank)
             traffic[g.index] = Traffic(pushed=sent, pulled=got, messages=int(n == 0),
-                                       pushed_at=pushed_at)
+                                       pushed_at=pushed_at, agreed=agreed)

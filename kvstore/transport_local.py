@@ -45,6 +45,9 @@ class LocalTransport(Transport):
                 pull_codec(layer.plan.strategy, self.compress_pull) == "gather"
             # one worker's gather: its own payload, exactly as decoded
             pulled = payload.nbytes if gathered else 4 * layer.plan.size
+            # one worker's totals are its own scalars (kvstore.codec_shared)
+            agreed = payload.scalars if getattr(self.codecs[payload.strategy], "summable",
+                                                False) else None
             traffic.append(Traffic(pushed=payload.nbytes, pulled=pulled,
-                                   pushed_at=pushed_at))
+                                   pushed_at=pushed_at, agreed=agreed))
         return traffic

@@ -23,7 +23,8 @@ from .ps_keys import Chunk, KeyTable, bucket_signature
 from .transport import Traffic, Transport, wait_timed
 from .watchdog import StallWatchdog
 from .wire import (BIGARRAY_BOUND, DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, ROW_ID_BYTES,
-                   ChunkLayout, empty_push, gather_payloads, push_slot, push_rows)
+                   ChunkLayout, empty_push, gather_payloads, push_slot, push_rows,
+                   summed_aggregate)
 
 # The keys' sizes (tuning constants, not options: tests of the cutting set them lower).
 # The largest piece of a layer in one parameter-server key, in float32 elements.
@@ -349,6 +350,10 @@ class PSTransport(Transport):
         piece = p.flat[chunk.offset:chunk.offset + chunk.size]
         if chunk.pull == "none":
             piece[:] = rows[:chunk.size]
+        elif chunk.pull == "sum":
+            aggregate, p.traffic.agreed = summed_aggregate(chunk, rows[:chunk.pull_rows
+                                                                      * chunk.cols])
+            piece[:] = aggregate
         else:
             # decoded in rank order, as the server decodes a dense pull: bitwise equal
             target = piece.reshape((chunk.rows_filters, chunk.cols)) \

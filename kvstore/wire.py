@@ -32,6 +32,12 @@ drop them, and its pull reads rows by position); a worker pulls rows [0, pull_ro
   sent, then their u indices, then those u summed filters (pull_k = min(filters,
   W * k) rows are pulled; rows past u are zeros). The decoded aggregate is bitwise
   the dense pull's.
+* ``pull='sum'`` (every 'slots' chunk of a shared-scale codec, kvstore.codec_shared,
+  whatever pull was asked for): the header scalars summed over the workers in rank order (first
+  the shared value v, which every worker pushed alike), then the integer sums of the
+  workers' codes packed in base 2W + 1 (kvstore.sums), as pack_bytes writes bytes.
+  Its size does not grow with W past log2(2W + 1) bits per element, and its decode
+  v * sum is exact whatever order the pushes came in.
 
 Every layout has its writer next to its reader here: pushes (``push_*``, read by the
 servers' sum and by :func:`slot_payload`), pulls (``gather_values`` /
@@ -46,8 +52,10 @@ import mxnet as mx
 import numpy as np
 
 from .compressors import CODEC_NAMES, Payload, make_compressors
+from .sums import pack_sums, packed_nbytes, sum_codes, unpack_sums
 
-PULL_CODECS = ("none", "gather")   # the dense aggregate, or the payloads gathered
+# the dense aggregate, the payloads gathered, or a shared-scale codec's integer sums
+PULL_CODECS = ("none", "gather", "sum")
 
 # Largest chunk, in gradient elements. MXNet splits keys of 1e6 elements or more over
 # all servers by row ranges, which would cut workers' slots apart; hylo cuts large
@@ -121,6 +129,9 @@ class ChunkLayout:
     @property
     def pull_rows(self):
         """Rows a worker pulls: the payloads gathered, or the dense aggregate."""
+        if self.pull == "sum":
+            return -(-(_CODECS[self.codec].scalars
+                       + slot_values(packed_nbytes(self.size, self.slots))) // self.cols)
         if self.pull == "gather":
             if self.kind == "slots":
                 return self.slots * self.slot_rows
@@ -217,6 +228,10 @@ def plan_chunks(strategy, shape, num_workers, num_servers=1,
 
 
 def _with_pull(chunk, pull, gather_k=0):
+    if chunk.kind == "slots" and getattr(_CODECS[chunk.codec], "summable", False):
+        # the servers add the codes: smaller than any gather, exact, and the one pull
+        # that tells every worker the totals its shared scale comes from
+        pull = "sum"
     if pull == "none":
         return chunk
     filters = chunk.hi - chunk.lo
@@ -232,7 +247,8 @@ def _with_pull(chunk, pull, gather_k=0):
         # state): a key of the dense rows would keep a dense copy of the layer on its
         # server (rows are fixed by the key's initial value) and, until the key's first
         # push, on rank 0 (MXNet's store keeps the value it initialised a key with)
-        return dataclasses.replace(compressed, rows=compressed.pull_rows)
+        return dataclasses.replace(
+            compressed, rows=max(compressed.slots * compressed.slot_rows, compressed.pull_rows))
     return compressed
 
 
@@ -329,6 +345,56 @@ def gather_values(layout, received):
     head = -(-(1 + layout.pull_k) // layout.cols) * layout.cols
     out[head:head + rows.size] = rows.reshape(-1)
     return out
+
+
+def sum_payloads(payloads, size):
+    """The workers' Payloads of a shared-scale codec (rank order), ``size`` elements ->
+    (header: their scalars summed in rank order and rounded to float32, but the first,
+    the shared value v, which they all carry; int8 (size,): the sums of their codes).
+    What a 'sum' pull carries, on the servers and in Horovod's gathered payloads alike.
+    Raises ValueError if the workers' shared values differ."""
+    values = {p.scalars[0] for p in payloads}
+    if len(values) != 1:
+        raise ValueError("the workers quantized with different shared values %s: their "
+                         "codes cannot be summed" % sorted(values))
+    header = np.zeros(len(payloads[0].scalars), np.float64)
+    for p in payloads:
+        header += p.scalars
+    header[0] = payloads[0].scalars[0]
+    sums = sum_codes([p.arrays[0].asnumpy() for p in payloads], size)
+    return tuple(float(v) for v in header.astype(np.float32)), sums
+
+
+def decode_sums(header, sums):
+    """The aggregate of a 'sum' pull: float32 numpy v * sums, each rounded once."""
+    return np.asarray(sums).astype(np.float32) * np.float32(header[0])
+
+
+def sum_values(layout, received):
+    """The server's side of a 'sum' pull: the summed pushes (row_sparse NDArray of the
+    key: every worker's slot) -> what the workers pull (float32 numpy, see the module
+    docstring). Read by :func:`summed_aggregate`."""
+    data = received.data.asnumpy().reshape(-1)
+    per_slot = layout.slot_rows * layout.cols
+    header, sums = sum_payloads([slot_payload(layout, data[w * per_slot:(w + 1) * per_slot])
+                                 for w in range(layout.slots)], layout.size)
+    packed = pack_bytes(pack_sums(sums, layout.slots))
+    out = np.zeros(layout.pull_rows * layout.cols, np.float32)
+    out[:len(header)] = header
+    out[len(header):len(header) + len(packed)] = packed
+    return out
+
+
+def summed_aggregate(layout, values):
+    """The workers' side of a 'sum' pull: pulled float32 values (numpy or NDArray) ->
+    (the aggregate, float32 numpy (size,); the header, v first)."""
+    if isinstance(values, mx.nd.NDArray):
+        values = values.asnumpy()
+    values = np.asarray(values, np.float32).reshape(-1)
+    n = _CODECS[layout.codec].scalars
+    header = tuple(float(v) for v in values[:n])
+    data = unpack_bytes(values[n:], packed_nbytes(layout.size, layout.slots))
+    return decode_sums(header, unpack_sums(data, layout.size, layout.slots)), header
 
 
 def gather_payloads(layout, values):

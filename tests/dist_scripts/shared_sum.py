@@ -1,0 +1,49 @@
+"""Worker of test_shared_scale_dist.py: a layer of the shared_2bit codec over the real
+parameter servers, its 'sum' pull in 3 chunks.
+
+    python tests/dist_scripts/shared_sum.py OUT
+
+Each worker pushes STEPS seeded gradients (numpy RandomState(SEED + rank)) and writes
+to OUT.npz (OUT may contain {rank}) every aggregate it pulled and the threshold it
+agreed after each step; OUT (JSON): the layer's chunks and pull bytes.
+"""
+import json
+import sys
+
+import mxnet as mx
+import numpy as np
+
+import mxhylo
+from mxhylo.kvstore import transport_ps
+
+SHAPE = (96, 1000)
+STEPS = 4
+SEED = 700
+
+
+def gradient(rng):
+    return rng.normal(0, 1, SHAPE).astype(np.float32) * 1e-2
+
+
+def main(out):
+    transport_ps.CHUNK_ELEMENTS = 32768      # the layer in 3 chunks
+    transport_ps.SPLIT_ELEMENTS = 1 << 30
+    kv = mxhylo.create("dist_sync_hylo", policy={"fc": "shared_2bit"}, warmup_steps=0)
+    kv.broadcast("fc", mx.nd.zeros(SHAPE), out=mx.nd.zeros(SHAPE))
+    rng = np.random.RandomState(SEED + kv.rank)
+    arrays = {}
+    for step in range(STEPS):
+        g = mx.nd.array(gradient(rng))
+        kv.pushpull("fc", g)
+        arrays["aggregate/%d" % step] = g.asnumpy()
+        arrays["threshold/%d" % step] = np.float64(kv.memory.scalar("fc", "shared_threshold"))
+    np.savez(out.format(rank=kv.rank) + ".npz", **arrays)
+    stats = kv.stats()["layers"]["fc"]
+    chunks = kv.transport.keys.chunks["fc"]
+    json.dump({"policy": stats["policy"], "pulls": [c.layout.pull for c in chunks],
+               "last_bytes": stats["last_bytes"], "dense_bytes": 4 * int(np.prod(SHAPE))},
+              open(out.format(rank=kv.rank), "w"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

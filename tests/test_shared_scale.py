@@ -1,0 +1,252 @@
+"""The shared-scale 2-bit codec and the 'sum' pull, against numpy: integer sums of
+codes and their base-(2W+1) packing for every W, the codec's quantization and the
+scale the workers agree on, and the pull's layout through MXNet's row_sparse sum."""
+import mxnet as mx
+import numpy as np
+import pytest
+
+import mxhylo
+from mxhylo import ops
+from mxhylo.kvstore import sums
+from mxhylo.kvstore.codec_shared import NOTHING_SENT
+from mxhylo.kvstore.compressors import make_compressors
+from mxhylo.kvstore.memory import ResidualMemory
+from mxhylo.kvstore.policy import LayerPlan
+from mxhylo.kvstore.wire import (plan_chunks, push_slot, sum_values, summed_aggregate,
+                                 sum_payloads, decode_sums)
+
+CODEC = make_compressors()["shared_2bit"]
+
+
+def _codes_of(rng, n, density=0.5):
+    """Random int32 code words of n elements (codes 0, 1, 2; tail bits 0) and their
+    values in {-1, 0, +1} as numpy computes them."""
+    c = np.where(rng.random_sample(n) < density, rng.choice([1, 2], size=n), 0)
+    words = np.zeros(-(-n // 16), np.uint64)
+    for i in range(16):
+        part = c[i::16].astype(np.uint64) << np.uint64(2 * i)
+        words[:len(part)] |= part
+    return words.astype(np.uint32).view(np.int32), np.where(c == 1, 1, np.where(c == 2, -1, 0))
+
+
+@pytest.mark.parametrize("workers", range(1, 128))
+def test_integer_sums_and_their_packing_for_every_worker_count(workers):
+    rng = np.random.RandomState(workers)
+    n = int(rng.randint(1, 300))
+    coded = [_codes_of(rng, n) for _ in range(workers)]
+    total = sums.sum_codes([w for w, _ in coded], n)
+    np.testing.assert_array_equal(total, np.sum([v for _, v in coded], axis=0))
+    packed = sums.pack_sums(total, workers)
+    assert len(packed) == sums.packed_nbytes(n, workers)
+    np.testing.assert_array_equal(sums.unpack_sums(packed, n, workers), total)
+    # base 2W+1, rounded up once per 64-bit group: log2(2W+1) bits and at most 1/d more
+    d = sums.digits_per_group(workers)
+    assert (2 * workers + 1) ** d <= 2 ** 64 < (2 * workers + 1) ** (d + 1)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 16, 64, 127])
+@pytest.mark.parametrize("n", [1, 7, 16, 17, 1000])
+def test_packing_at_the_edges(workers, n):
+    """All +W, all -W, all 0 and alternating extremes, at sizes around a word and a
+    group."""
+    d = sums.digits_per_group(workers)
+    for size in {n, d, d + 1, max(1, d - 1)}:
+        for s in (np.full(size, workers), np.full(size, -workers), np.zeros(size, int),
+                  np.where(np.arange(size) % 2, workers, -workers)):
+            got = sums.unpack_sums(sums.pack_sums(s, workers), size, workers)
+            np.testing.assert_array_equal(got, s)
+
+
+def test_out_of_range_sums_and_worker_counts_are_refused():
+    with pytest.raises(ValueError, match=r"lies in \[-2, 2\]"):
+        sums.pack_sums(np.array([3]), 2)
+    with pytest.raises(ValueError, match="1 to 127 workers"):
+        sums.digits_per_group(128)
+    with pytest.raises(ValueError, match="not what pack_sums writes"):
+        sums.unpack_sums(np.full(8, 255, np.uint8), 4, 2)
+
+
+def _plan(shape, name="fc.weight"):
+    return LayerPlan(name=name, shape=shape, strategy="shared_2bit")
+
+
+def _np_quantize(a, t):
+    a32 = a.astype(np.float32)
+    return np.where(a32 >= np.float32(t), 1, np.where(a32 <= -np.float32(t), -1, 0))
+
+
+def test_first_step_sends_nothing_and_keeps_the_gradient():
+    rng = np.random.RandomState(0)
+    g = rng.randn(40, 30).astype(np.float32)
+    memory = ResidualMemory()
+    plan = _plan(g.shape)
+    payload = CODEC.encode(plan, mx.nd.array(g), memory)
+    out = mx.nd.ones(g.shape)
+    CODEC.decode(payload, out)
+    assert not out.asnumpy().any()
+    np.testing.assert_array_equal(memory.residual(plan.name, mx.nd.array(g)).asnumpy(), g)
+    v, absum, sent_absum, sent = payload.scalars
+    assert v == NOTHING_SENT and sent == 0 and sent_absum == 0
+    assert absum == pytest.approx(np.abs(g).sum(), rel=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_agreed_scale_quantizes_every_worker_alike(seed):
+    """W workers: step 1 agrees t (mean |a| over all workers) and v; step 2 sends
+    sign(a) where |a| >= t, as c * v, leaves a - c * v, and the summed aggregate is
+    v times the sum of the codes, as numpy computes it."""
+    rng = np.random.RandomState(seed)
+    workers = int(rng.randint(1, 6))
+    shape = (int(rng.randint(1, 50)), int(rng.randint(1, 70)))
+    plan = _plan(shape)
+    memories = [ResidualMemory() for _ in range(workers)]
+    g1 = [rng.randn(*shape).astype(np.float32) for _ in range(workers)]
+    first = [CODEC.encode(plan, mx.nd.array(g), m) for g, m in zip(g1, memories)]
+    header, _ = sum_payloads(first, plan.size)
+    for m in memories:
+        CODEC.agree(plan, header, workers, m)
+    t = memories[0].scalar(plan.name, "shared_threshold")
+    assert t == pytest.approx(np.mean([np.abs(g).mean() for g in g1]), rel=1e-5)
+    assert all(m.scalar(plan.name, "shared_threshold") == t for m in memories)
+    v = memories[0].scalar(plan.name, "shared_value")
+    assert v == t                            # nothing was sent: v falls back to t
+
+    g2 = [rng.randn(*shape).astype(np.float32) for _ in range(workers)]
+    second = [CODEC.encode(plan, mx.nd.array(g), m) for g, m in zip(g2, memories)]
+    header, total = sum_payloads(second, plan.size)
+    want_codes = []
+    for w in range(workers):
+        a = g1[w] + g2[w]                                 # float32, as the op folds
+        c = _np_quantize(a, t)
+        want_codes.append(c)
+        residual = memories[w].residual(plan.name, mx.nd.array(g2[w])).asnumpy()
+        np.testing.assert_array_equal(residual, a - c.astype(np.float32) * np.float32(v))
+        assert second[w].scalars[3] == np.count_nonzero(c)
+        assert second[w].scalars[2] == pytest.approx(np.abs(a)[c != 0].sum(), rel=1e-5)
+    np.testing.assert_array_equal(total, np.sum(want_codes, axis=0).reshape(-1))
+    np.testing.assert_array_equal(decode_sums(header, total),
+                                  np.sum(want_codes, axis=0).reshape(-1).astype(np.float32)
+                                  * np.float32(v))
+    # the next value is the mean |a| of what every worker sent
+    for m in memories:
+        CODEC.agree(plan, header, workers, m)
+    sent = sum(np.count_nonzero(c) for c in want_codes)
+    if sent:
+        sent_absum = sum(np.abs(g1[w] + g2[w])[want_codes[w] != 0].sum()
+                         for w in range(workers))
+        assert memories[0].scalar(plan.name, "shared_value") == pytest.approx(
+            sent_absum / sent, rel=1e-5)
+
+
+def test_workers_with_different_scales_are_refused():
+    plan = _plan((4, 8))
+    a, b = ResidualMemory(), ResidualMemory()
+    b.set_scalar(plan.name, "shared_threshold", 0.5)
+    b.set_scalar(plan.name, "shared_value", 0.7)
+    g = mx.nd.ones((4, 8))
+    with pytest.raises(ValueError, match="different shared values"):
+        sum_payloads([CODEC.encode(plan, g, a), CODEC.encode(plan, g, b)], plan.size)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_gradient_is_refused_with_the_layer_named(bad):
+    plan = _plan((8, 16), name="dense7_weight")
+    memory = ResidualMemory()
+    memory.set_scalar(plan.name, "shared_threshold", 0.5)
+    memory.set_scalar(plan.name, "shared_value", 0.75)
+    rng = np.random.RandomState(1)
+    before = rng.randn(8, 16).astype(np.float32)
+    memory.residual(plan.name, mx.nd.array(before))[:] = before
+    g = rng.randn(8, 16).astype(np.float32)
+    g[3, 5] = bad
+    with pytest.raises(FloatingPointError, match="dense7_weight"):
+        CODEC.encode(plan, mx.nd.array(g), memory)
+    np.testing.assert_allclose(memory.residual(plan.name, mx.nd.array(g)).asnumpy(),
+                               before, rtol=1e-6, atol=1e-6)
+
+
+def _server_sum(pushes):
+    total = pushes[0]
+    for p in pushes[1:]:
+        total = mx.nd.sparse.elemwise_add(total, p)
+    return total
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4, 7])
+def test_sum_pull_through_the_servers_sum(workers):
+    """push_slot of every worker, MXNet's row_sparse sum, sum_values on the 'server',
+    summed_aggregate on the 'worker': v times the codes' sums, every chunk."""
+    rng = np.random.RandomState(workers)
+    shape = (int(rng.randint(20, 90)), 1000)
+    n = shape[0] * shape[1]
+    plan = _plan(shape)
+    memories = [ResidualMemory() for _ in range(workers)]
+    for m in memories:
+        m.set_scalar(plan.name, "shared_threshold", 0.8)
+        m.set_scalar(plan.name, "shared_value", 1.3)
+    grads = [rng.randn(*shape).astype(np.float32) for _ in range(workers)]
+    payloads = [CODEC.encode(plan, mx.nd.array(g), m) for g, m in zip(grads, memories)]
+    want = np.sum([_np_quantize(g, 0.8) for g in grads], axis=0).reshape(-1)
+    chunks = plan_chunks("shared_2bit", shape, workers, 2, 16 * 1024, pull="gather")
+    assert len(chunks) > 1 and all(c.pull == "sum" for c in chunks)
+    for c in chunks:
+        pushes = []
+        for w, p in enumerate(payloads):
+            a, b = CODEC.byte_span(c.lo, c.hi)
+            pushes.append(push_slot(c, w, CODEC.to_bytes(p)[a:b], p.scalars)[0])
+        pulled = sum_values(c, _server_sum(pushes))
+        assert pulled.size == c.pull_rows * c.cols
+        aggregate, header = summed_aggregate(c, pulled)
+        np.testing.assert_array_equal(
+            aggregate, want[c.lo:c.hi].astype(np.float32) * np.float32(1.3))
+        assert header[0] == np.float32(1.3)
+        assert header[3] == sum(p.scalars[3] for p in payloads)
+
+
+@pytest.mark.parametrize("workers, bound", [(4, 0.12), (16, 0.2), (64, 0.3), (127, 0.3)])
+def test_sum_pull_bytes_do_not_grow_with_the_workers(workers, bound):
+    """A large layer's 'sum' pull per worker, headers included, against its dense
+    float32 bytes: at most the bound, where a 'gather' of 2-bit codes grows as W/16."""
+    shape = (4096, 2048)
+    chunks = plan_chunks("shared_2bit", shape, workers, 2, pull="gather")
+    pulled = sum(4 * c.pull_rows * c.cols for c in chunks)
+    dense = 4 * shape[0] * shape[1]
+    assert pulled / dense <= bound
+    gathered = sum(4 * c.pull_rows * c.cols
+                   for c in plan_chunks("fc_2bit", shape, workers, 2, pull="gather"))
+    assert pulled < gathered or gathered >= dense
+
+
+def test_a_one_process_store_trains_with_the_shared_codec():
+    """The store in one process (W = 1) past its warm-up: the first compressed step
+    sends nothing, then the scale agreed from it quantizes; the net trains and
+    evaluates."""
+    mx.random.seed(0)
+    np.random.seed(0)
+    net = mx.gluon.nn.HybridSequential()
+    net.add(mx.gluon.nn.Dense(64, activation="relu"), mx.gluon.nn.Dense(10))
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    kv = mxhylo.create("hylo", policy={".*dense0_weight": "shared_2bit"},
+                       size_threshold=1)
+    trainer = mx.gluon.Trainer(net.collect_params(), "sgd",
+                               {"learning_rate": 0.1, "momentum": 0.9}, kvstore=kv)
+    rng = np.random.RandomState(0)
+    centers = rng.randn(10, 32).astype(np.float32)
+    labels = rng.randint(0, 10, size=512)
+    data = centers[labels] + 0.3 * rng.randn(512, 32).astype(np.float32)
+    loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
+    for epoch in range(6):
+        for i in range(0, 512, 64):
+            xb, yb = mx.nd.array(data[i:i + 64]), mx.nd.array(labels[i:i + 64])
+            with mx.autograd.record():
+                loss = loss_fn(net(xb), yb)
+            loss.backward()
+            trainer.step(64)
+    accuracy = (net(mx.nd.array(data)).argmax(axis=1).asnumpy() == labels).mean()
+    assert accuracy > 0.9
+    layer = kv.stats()["layers"]["dense0_weight"]
+    assert layer["policy"] == "shared_2bit"
+    assert layer["last_bytes"] < layer["dense_bytes"] / layer["steps"] / 8   # past warm-up
+    t = kv.memory.scalar("dense0_weight", "shared_threshold")
+    assert t is not None and 0 < t < 1
