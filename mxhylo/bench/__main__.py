@@ -15,6 +15,7 @@ SUITES = {
     "io": "RecordLoader decode throughput and input wait with a simulated step",
     "accuracy": "convergence per step: dense vs hylo modes over nets, learning rates, budgets and seeds on the digits",
     "lars": "large-batch study on the digits: LARS with warmup vs SGD with scaled lr",
+    "scale": "past one rack: pull bytes at W = 4, 16, 64 and accuracy of W simulated workers",
     "train": "real Gluon training steps (or time to accuracy, --tta) per kvstore in shaped "
              "network namespaces",
 }

@@ -1,0 +1,197 @@
+"""Past one rack: pull bytes and accuracy at W = 16 or 64 workers, by arithmetic and by
+simulation (kvstore.simulate), where this machine cannot run as many processes.
+
+``python -m mxhylo.bench scale [--part bytes,accuracy] [--workers 4,16,64]
+[--models resnet50_v1b,vgg16] [--nets conv_net,digits_net --sim-workers 16 --seeds 5]
+--json F``
+
+* bytes: per model and W, the bytes one worker pushes and pulls per step for the
+  layers the default policy compresses (at its size threshold), from the wire's own
+  layouts (kvstore.wire: pull_rows rows of float32 plus int64 row ids, 2 servers):
+  today's codecs with the 'gather' pull, and every such layer as shared_2bit with the
+  'sum' pull; each as a fraction of the same layers' dense float32 bytes.
+* accuracy: the accuracy study's nets on the digits, one net trained by W simulated
+  workers (each its shard of the training set, its own batches, residuals and
+  encodes; momentum SGD 0.9, wd 1e-4, the cosine schedule with a 1-epoch ramp; the
+  store's defaults: 30 dense warm-up steps, momentum correction, bounded residuals).
+  Modes: 'dense' (float32 sums), 'gather' (the default codecs: fc_2bit, conv_topk)
+  and 'shared' (the same layers as shared_2bit). Same seed, same data and
+  initialisation in every mode: the report gives paired differences. BatchNorm's
+  running statistics are one net's, updated by every worker's batch in turn.
+"""
+import time
+
+import numpy as np
+
+MODES = ("dense", "gather", "shared")
+
+
+def add_arguments(p):
+    p.add_argument("--part", default="bytes,accuracy")
+    p.add_argument("--workers", default="4,16,64", help="W of the bytes part")
+    p.add_argument("--models", default="resnet50_v1b,vgg16")
+    p.add_argument("--servers", type=int, default=2)
+    p.add_argument("--nets", default="conv_net,digits_net")
+    p.add_argument("--sim-workers", type=int, default=16)
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=8, help="per simulated worker")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--modes", default=",".join(MODES))
+
+
+def run(args):
+    from .comm import machine_info
+    report = {"machine": machine_info()}
+    parts = args.part.split(",")
+    if "bytes" in parts:
+        report["bytes"] = pull_bytes([m for m in args.models.split(",") if m],
+                                     [int(w) for w in args.workers.split(",")], args.servers)
+    if "accuracy" in parts:
+        report["accuracy"] = accuracy(args)
+    return report
+
+
+# -- bytes --------------------------------------------------------------------------------
+
+def layer_bytes(strategy, plan, workers, servers):
+    """(pushed, pulled) bytes per worker per step of one layer under ``strategy``, as
+    kvstore.transport_ps counts them (values and row ids)."""
+    from ..kvstore.wire import ROW_ID_BYTES, plan_chunks
+    chunks = plan_chunks(strategy, plan.shape, workers, servers, pull="gather",
+                         pull_rate=plan.rate, push_k=plan.k)
+    pushed = sum(c.push_rows * (4 * c.cols + ROW_ID_BYTES) for c in chunks)
+    pulled = sum(c.pull_rows * (4 * c.cols + ROW_ID_BYTES) for c in chunks)
+    return pushed, pulled
+
+
+def pull_bytes(models, workers, servers):
+    from ..kvstore.policy import LayerPolicy
+    from .comm import shapes_in_subprocess
+    shapes = shapes_in_subprocess(models, 224)
+    policy = LayerPolicy()
+    out = {}
+    for model in models:
+        plans = [policy.plan(p["name"], p["shape"]) for p in shapes[model]]
+        plans = [p for p in plans if p.strategy != "none"]
+        dense = sum(4 * p.size for p in plans)
+        rows = []
+        for w in workers:
+            today = np.sum([layer_bytes(p.strategy, p, w, servers) for p in plans], axis=0)
+            shared = np.sum([layer_bytes("shared_2bit", policy.plan_as(p.name, p.shape,
+                                                                       "shared_2bit"),
+                                         w, servers) for p in plans], axis=0)
+            rows.append({"workers": w, "dense_bytes": dense,
+                         "gather_push": int(today[0]), "gather_pull": int(today[1]),
+                         "sum_push": int(shared[0]), "sum_pull": int(shared[1]),
+                         "gather_pull_fraction": round(today[1] / dense, 4),
+                         "sum_pull_fraction": round(shared[1] / dense, 4)})
+            print("%-14s W=%-3d compressed layers %6.1f MB dense | gather pull %.3f | "
+                  "sum pull %.3f of dense" % (model, w, dense / 1e6,
+                                              today[1] / dense, shared[1] / dense),
+                  flush=True)
+        out[model] = {"compressed_layers": len(plans), "rows": rows}
+    return out
+
+
+# -- accuracy -----------------------------------------------------------------------------
+
+def accuracy(args):
+    modes = [m for m in args.modes.split(",") if m]
+    runs = []
+    for net in [n for n in args.nets.split(",") if n]:
+        for seed in range(args.seeds):
+            for mode in modes:
+                r = simulated_run(net, mode, args.sim_workers, seed, args.epochs,
+                                  args.batch_size, args.lr)
+                print("%-10s %-7s W=%d seed %d: accuracy %.4f (%.0f s)"
+                      % (net, mode, args.sim_workers, seed, r["accuracy"], r["seconds"]),
+                      flush=True)
+                runs.append(r)
+    return {"runs": runs, "paired": paired(runs, modes)}
+
+
+def paired(runs, modes):
+    """Per net, each mode's mean accuracy and its mean paired difference (points) to
+    the others', seed by seed."""
+    out = {}
+    for net in sorted({r["net"] for r in runs}):
+        acc = {m: {r["seed"]: r["accuracy"] for r in runs if r["net"] == net
+                   and r["mode"] == m} for m in modes}
+        cell = {m: {"mean": float(np.mean(list(a.values()))),
+                    "min": float(np.min(list(a.values())))} for m, a in acc.items() if a}
+        for a in modes:
+            for b in modes:
+                seeds = sorted(set(acc[a]) & set(acc[b]))
+                if a < b and seeds:
+                    d = [100 * (acc[a][s] - acc[b][s]) for s in seeds]
+                    cell["%s-%s" % (a, b)] = {"mean_points": float(np.mean(d)),
+                                              "sd_points": float(np.std(d)),
+                                              "per_seed": d}
+        out[net] = cell
+    return out
+
+
+def simulated_run(net_name, mode, workers, seed, epochs, batch_size, lr):
+    """One net trained by ``workers`` simulated workers (see the module docstring)."""
+    import mxnet as mx
+    from mxnet import autograd, gluon
+    from ..data import load_digits, shard
+    from ..digits import evaluate, lr_scheduler
+    from ..models import NETS
+    from ..kvstore import momentum as momentum_correction
+    from ..kvstore.options import DEFAULT_WARMUP_STEPS
+    from ..kvstore.policy import LayerPolicy
+    from ..kvstore.simulate import SimulatedWorkers
+
+    mx.random.seed(seed)
+    np.random.seed(seed)
+    make_net, size, channels = NETS[net_name]
+    x_train, y_train, x_test, y_test = load_digits(0.25, seed=0, size=size,
+                                                   channels=channels)
+    net = make_net()
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    shards = [shard(x_train, y_train, workers, w) for w in range(workers)]
+    steps_per_epoch = min(len(y) for _, y in shards) // batch_size
+    total = epochs * steps_per_epoch
+    sgd = {"learning_rate": lr, "momentum": 0.9, "wd": 1e-4,
+           "lr_scheduler": lr_scheduler("cosine", lr, total, steps_per_epoch)}
+    trainer = gluon.Trainer(net.collect_params(), "sgd", sgd, kvstore=None)
+    params = [p for p in net.collect_params().values() if p.grad_req != "null"]
+    policy = LayerPolicy()
+    plans = {}
+    sim = SimulatedWorkers(workers, warmup_steps=0 if mode == "dense"
+                           else DEFAULT_WARMUP_STEPS)
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    rngs = [np.random.RandomState(seed + 1000 * w) for w in range(workers)]
+    start = time.time()
+    for epoch in range(epochs):
+        orders = [r.permutation(len(y)) for r, (_, y) in zip(rngs, shards)]
+        for step in range(steps_per_epoch):
+            grads = [[] for _ in params]
+            for w, (x, y) in enumerate(shards):
+                idx = orders[w][step * batch_size:(step + 1) * batch_size]
+                with autograd.record():
+                    loss = loss_fn(net(mx.nd.array(x[idx])), mx.nd.array(y[idx]))
+                loss.backward()
+                for i, p in enumerate(params):
+                    grads[i].append(p.grad().copy())
+            # the rescale Trainer.step sets, which the momentum correction reads first
+            trainer._optimizer.rescale_grad = trainer._scale / (batch_size * workers)
+            ctx = momentum_correction.from_optimizer(trainer._optimizer)
+            for i, p in enumerate(params):
+                if p.name not in plans:
+                    plan = policy.plan(p.name, p.shape)
+                    if mode == "dense" or plan.strategy == "none":
+                        plan = policy.plan_as(p.name, p.shape, "none")
+                    elif mode == "shared":
+                        plan = policy.plan_as(p.name, p.shape, "shared_2bit")
+                    plans[p.name] = plan
+                p.grad()[:] = sim.exchange(plans[p.name], grads[i], ctx)
+            trainer.step(batch_size * workers)
+    accuracy_ = evaluate(net, x_test, y_test, mx.cpu())
+    return {"net": net_name, "mode": mode, "workers": workers, "seed": seed,
+            "epochs": epochs, "batch_size": batch_size, "lr": lr, "accuracy": accuracy_,
+            "steps": total, "seconds": time.time() - start,
+            "strategies": {n: p.strategy for n, p in plans.items()}}
