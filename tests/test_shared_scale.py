@@ -39,9 +39,9 @@ def test_integer_sums_and_their_packing_for_every_worker_count(workers):
     packed = sums.pack_sums(total, workers)
     assert len(packed) == sums.packed_nbytes(n, workers)
     np.testing.assert_array_equal(sums.unpack_sums(packed, n, workers), total)
-    # base 2W+1, rounded up once per 64-bit group: log2(2W+1) bits and at most 1/d more
+    # base 2W+1, as many digits as a 16-bit group holds
     d = sums.digits_per_group(workers)
-    assert (2 * workers + 1) ** d <= 2 ** 64 < (2 * workers + 1) ** (d + 1)
+    assert (2 * workers + 1) ** d <= 2 ** 16 < (2 * workers + 1) ** (d + 1)
 
 
 @pytest.mark.parametrize("workers", [1, 2, 16, 64, 127])
