@@ -55,6 +55,11 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
+from .sums import packed_nbytes
+
+# codecs whose aggregate the servers sum as integers (kvstore.codec_shared)
+SUMMABLE = ("shared_2bit",)
+
 DEFAULT_MARGIN = 0.1          # compress only when predicted >= 10% faster than dense
 
 
@@ -177,7 +182,10 @@ class CostModel:
         if plan.strategy == "none":
             return Prediction(dense, dense, "none")
         cost = self.codecs[plan.strategy]
-        if self.pull == "gather":
+        if plan.strategy in SUMMABLE and self.pull != "allgather":
+            # the servers' integer sums, one decode (kvstore.sums; 30 bits a value)
+            down, decodes = packed_nbytes(plan.size, self.workers) * 32 / 30, 1
+        elif self.pull == "gather":
             down, decodes = self.workers * payload_nbytes, self.workers
         elif self.pull == "allgather":
             down, decodes = self.workers * payload_nbytes / 2.0, self.workers

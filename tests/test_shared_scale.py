@@ -250,3 +250,50 @@ def test_a_one_process_store_trains_with_the_shared_codec():
     assert layer["last_bytes"] < layer["dense_bytes"] / layer["steps"] / 8   # past warm-up
     t = kv.memory.scalar("dense0_weight", "shared_threshold")
     assert t is not None and 0 < t < 1
+
+
+LAYERS = [("fc_weight", (1000, 2048)), ("conv_weight", (256, 256, 3, 3)), ("bias", (10,))]
+
+
+def _plan_codecs(workers, transport="ps", policy=None):
+    from mxhylo.kvstore.plan import make_plan
+    from mxhylo.kvstore.policy import LayerPolicy
+    plan = make_plan(LAYERS, policy=LayerPolicy(policy=policy), compress_pull="gather",
+                     server_update=False, costs=None, num_workers=workers, num_servers=2,
+                     transport=transport)
+    return {d.name: (d.codec, d.pull) for d in plan.layers}
+
+
+def test_the_plan_takes_the_shared_scale_from_16_workers():
+    from mxhylo.kvstore.plan import SHARED_SCALE_WORKERS
+    assert SHARED_SCALE_WORKERS == 16
+    below = _plan_codecs(15)
+    assert below == {"fc_weight": ("fc_2bit", "gather"),
+                     "conv_weight": ("conv_topk", "gather"), "bias": ("none", "dense")}
+    for transport in ("ps", "horovod"):
+        at = _plan_codecs(16, transport)
+        assert at["fc_weight"] == at["conv_weight"] == ("shared_2bit", "sum")
+        assert at["bias"] == ("none", "dense")
+    # a codec the user names is kept; one process has no workers to agree with
+    named = _plan_codecs(64, policy={"conv": "conv_topk"})
+    assert named["conv_weight"] == ("conv_topk", "gather")
+    assert named["fc_weight"] == ("shared_2bit", "sum")
+    assert _plan_codecs(64, "local")["fc_weight"] == ("fc_2bit", "gather")
+
+
+def test_the_cost_model_prices_the_sum_pull():
+    """The shared codec's pull is its packed sums whatever W; a gather grows with W."""
+    from mxhylo.kvstore.cost_model import CodecCost, CostModel, WireCost
+    from mxhylo.kvstore.policy import LayerPolicy
+    plan_fc = LayerPolicy().plan_as("fc", (4096, 1024), "shared_2bit")
+    wire = WireCost(latency_s=0.0, per_byte_s=1e-8)
+    costs = {"shared_2bit": CodecCost(0.0, 0.0), "fc_2bit": CodecCost(0.0, 0.0)}
+    payload = CODEC.payload_nbytes(plan_fc)
+    for workers in (16, 64):
+        model = CostModel(wire, costs, workers, "gather")
+        shared = model.predict(plan_fc, payload)
+        two_bit = model.predict(LayerPolicy().plan_as("fc", (4096, 1024), "fc_2bit"),
+                                payload)
+        want = sums.packed_nbytes(plan_fc.size, workers) * 32 / 30 * 1e-8
+        assert shared.codec_s == pytest.approx(want)
+        assert two_bit.codec_s == pytest.approx(workers * payload * 1e-8)
