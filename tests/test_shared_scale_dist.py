@@ -1,9 +1,11 @@
-"""The shared_2bit codec's 'sum' pull over real parameter servers (mxhylo.launch, 2
-servers): every worker pulls, bitwise, what kvstore.simulate computes in one process
-for the same gradients, and agrees on the same scale."""
+"""The shared_2bit codec in real jobs, over the parameter servers' 'sum' pull
+(mxhylo.launch, 2 servers) and over Horovod's allgather (horovodrun): every worker
+ends, bitwise, with what kvstore.simulate computes in one process for the same
+gradients, and agrees on the same scale."""
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -25,14 +27,31 @@ def _script():
     return module
 
 
-@pytest.mark.parametrize("workers", [2, 4])
-def test_real_servers_sum_pull_is_the_simulation_bitwise(tmp_path, workers):
+HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+
+
+def _launch(launcher, workers, out):
+    """The job's command: mxhylo.launch with 2 servers, or horovodrun (Gloo)."""
+    if launcher == "ps":
+        return [sys.executable, "-m", "mxhylo.launch", "-n", str(workers), "-s", "2",
+                "--timeout", "150", sys.executable, SCRIPT, out]
+    return [HOROVODRUN, "-np", str(workers), "-H", "localhost:%d" % workers, "--gloo",
+            sys.executable, SCRIPT, out]
+
+
+@pytest.mark.parametrize("launcher, workers", [("ps", 2), ("ps", 4), ("horovod", 2)])
+def test_real_jobs_sum_pull_is_the_simulation_bitwise(tmp_path, launcher, workers):
     out = str(tmp_path / "shared-{rank}")
-    proc = subprocess.run(
-        [sys.executable, "-m", "mxhylo.launch", "-n", str(workers), "-s", "2", "--timeout",
-         "150", sys.executable, SCRIPT, out],
-        cwd=ROOT, capture_output=True, text=True, timeout=210)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.Popen(_launch(launcher, workers, out), cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=210)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail("the job timed out:\n" + log[-3000:])
+    assert proc.returncode == 0, log[-4000:]
     script = _script()
     plan = LayerPlan(name="fc", shape=script.SHAPE, strategy="shared_2bit")
     sim = SimulatedWorkers(workers)
@@ -50,4 +69,17 @@ def test_real_servers_sum_pull_is_the_simulation_bitwise(tmp_path, workers):
             assert not want.any()           # the first step agrees the scale, sends nothing
     assert np.abs(want).max() > 0
     info = json.load(open(out.format(rank=0)))
-    assert info["policy"] == "shared_2bit" and info["pulls"] == ["sum"] * 3
+    assert info["policy"] == "shared_2bit"
+    if launcher == "ps":
+        assert info["transport"] == "ps" and info["pulls"] == ["sum"] * 3
+        # what the transport counted is the layouts' pull: the sums, not W payloads
+        from mxhylo.kvstore.wire import ROW_ID_BYTES, plan_chunks
+        chunks = plan_chunks("shared_2bit", script.SHAPE, workers, 2, 32768, 1 << 30,
+                             pull="gather")
+        per_step = sum(c.pull_rows * (4 * c.cols + ROW_ID_BYTES) for c in chunks)
+        assert info["bytes_pulled"] == per_step * info["steps"]
+        gathered = sum(c.pull_rows * (4 * c.cols + ROW_ID_BYTES) for c in plan_chunks(
+            "fc_2bit", script.SHAPE, workers, 2, 32768, 1 << 30, pull="gather"))
+        assert per_step < 0.7 * gathered      # log2(2W + 1) bits against 2W
+    else:
+        assert info["transport"] == "horovod"

@@ -73,7 +73,8 @@ from .. import launch
 WORKER = "mxhylo.bench.train_worker"
 
 DEFAULT_MODES = ("dist_sync", "dist_sync_fp16", "hylo_densepull", "hylo")
-HYLO_MODES = ("hylo_densepull", "hylo", "hylo_nooverlap", "hylo_workers", "hylo_dynamic")
+HYLO_MODES = ("hylo_densepull", "hylo", "hylo_nooverlap", "hylo_workers", "hylo_dynamic",
+              "hylo_shared")
 BASELINE = "dist_sync"
 PS_PORT = 9091
 FULL_SIZE_MODELS = ("vgg", "alexnet")     # classifier shapes depend on the input size

@@ -143,6 +143,17 @@ class HyloWorkers(HyloMode):
                    "and the update on the workers whatever the network")
 
 
+class HyloShared(HyloMode):
+    description = ("mxhylo.create('dist_sync_hylo') with the plan's rule 4 at any W "
+                   "(mxhylo.kvstore.plan.SHARED_SCALE_WORKERS = 1): every layer the rule "
+                   "compresses as shared_2bit, the servers' integer-sum pull")
+
+    def kvstore(self, cfg):
+        from mxhylo.kvstore import plan
+        plan.SHARED_SCALE_WORKERS = 1       # (this worker's only; read at each plan)
+        return super().kvstore(cfg)
+
+
 class HorovodStore:
     """What the benchmark asks of a store, for hvd.DistributedTrainer (which has none):
     rank, num_workers; batch_workers 1 (the trainer averages: step(batch_size) gives
@@ -219,6 +230,7 @@ MODES = {
     "hylo": HyloMode,
     "hylo_nooverlap": HyloNoOverlap,
     "hylo_workers": HyloWorkers,
+    "hylo_shared": HyloShared,
     "horovod_dense": HorovodDense,
     "horovod_fp16": HorovodFP16,
     "hylo_horovod": HyloHorovod,

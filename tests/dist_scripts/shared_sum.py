@@ -1,7 +1,7 @@
 """Worker of test_shared_scale_dist.py: a layer of the shared_2bit codec over the real
 parameter servers, its 'sum' pull in 3 chunks.
 
-    python tests/dist_scripts/shared_sum.py OUT
+    python tests/dist_scripts/shared_sum.py OUT     (under mxhylo.launch or horovodrun)
 
 Each worker pushes STEPS seeded gradients (numpy RandomState(SEED + rank)) and writes
 to OUT.npz (OUT may contain {rank}) every aggregate it pulled and the threshold it
@@ -39,9 +39,11 @@ def main(out):
         arrays["threshold/%d" % step] = np.float64(kv.memory.scalar("fc", "shared_threshold"))
     np.savez(out.format(rank=kv.rank) + ".npz", **arrays)
     stats = kv.stats()["layers"]["fc"]
-    chunks = kv.transport.keys.chunks["fc"]
-    json.dump({"policy": stats["policy"], "pulls": [c.layout.pull for c in chunks],
-               "last_bytes": stats["last_bytes"], "dense_bytes": 4 * int(np.prod(SHAPE))},
+    keys = getattr(kv.transport, "keys", None)        # (the parameter server's)
+    pulls = [c.layout.pull for c in keys.chunks["fc"]] if keys else None
+    json.dump({"policy": stats["policy"], "pulls": pulls, "transport": kv.options.transport,
+               "bytes_pulled": stats["bytes_pulled"], "steps": stats["steps"],
+               "dense_bytes": 4 * int(np.prod(SHAPE))},
               open(out.format(rank=kv.rank), "w"))
 
 
