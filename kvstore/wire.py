@@ -353,16 +353,22 @@ def sum_payloads(payloads, size):
     the shared value v, which they all carry; int8 (size,): the sums of their codes).
     What a 'sum' pull carries, on the servers and in Horovod's gathered payloads alike.
     Raises ValueError if the workers' shared values differ."""
-    values = {p.scalars[0] for p in payloads}
+    return _sum_codes([p.scalars for p in payloads],
+                      [p.arrays[0].asnumpy() for p in payloads], size)
+
+
+def _sum_codes(scalars, code_words, size):
+    """sum_payloads of the workers' header ``scalars`` and int32 ``code_words``."""
+    values = {s[0] for s in scalars}
     if len(values) != 1:
         raise ValueError("the workers quantized with different shared values %s: their "
                          "codes cannot be summed" % sorted(values))
-    header = np.zeros(len(payloads[0].scalars), np.float64)
-    for p in payloads:
-        header += p.scalars
-    header[0] = payloads[0].scalars[0]
-    sums = sum_codes([p.arrays[0].asnumpy() for p in payloads], size)
-    return tuple(float(v) for v in header.astype(np.float32)), sums
+    header = np.zeros(len(scalars[0]), np.float64)
+    for s in scalars:
+        header += s
+    header[0] = scalars[0][0]
+    return (tuple(float(v) for v in header.astype(np.float32)),
+            sum_codes(code_words, size))
 
 
 def decode_sums(header, sums):
@@ -376,8 +382,12 @@ def sum_values(layout, received):
     docstring). Read by :func:`summed_aggregate`."""
     data = received.data.asnumpy().reshape(-1)
     per_slot = layout.slot_rows * layout.cols
-    header, sums = sum_payloads([slot_payload(layout, data[w * per_slot:(w + 1) * per_slot])
-                                 for w in range(layout.slots)], layout.size)
+    n, nbytes = _CODECS[layout.codec].scalars, _CODECS[layout.codec].byte_span(0, layout.size)[1]
+    slots = [data[w * per_slot:(w + 1) * per_slot] for w in range(layout.slots)]
+    # each slot as slot_payload reads it, its code words kept in numpy
+    header, sums = _sum_codes([tuple(float(v) for v in slot[:n]) for slot in slots],
+                              [unpack_bytes(slot[n:], nbytes).view(np.int32)
+                               for slot in slots], layout.size)
     packed = pack_bytes(pack_sums(sums, layout.slots))
     out = np.zeros(layout.pull_rows * layout.cols, np.float32)
     out[:len(header)] = header
