@@ -6,8 +6,8 @@ an mx.io.ImageRecordIter without num_parts/part_index, trainer.step(batch_size),
 (--lr-mode cosine) an lr schedule sized from --num-training-samples // batch_size, as
 that script sizes it. ``python -m mxhylo.run`` is what makes it train across workers.
 It writes the final parameters to --save-dir/params-<pid>.npz (it cannot know a worker
-rank), and prints the final lr and, with --rec-val, how many validation samples it
-evaluated and their accuracy.
+rank), and prints each epoch's training loss summed over its samples, the final lr
+and, with --rec-val, how many validation samples it evaluated and their accuracy.
 """
 import argparse
 import os
@@ -33,6 +33,8 @@ def parse_args():
                         help="shuffle the training reader (as gluoncv's does)")
     parser.add_argument("--lr-mode", choices=("constant", "cosine"), default="constant")
     parser.add_argument("--num-training-samples", type=int, default=0)
+    parser.add_argument("--batchnorm", action="store_true",
+                        help="a BatchNorm layer after the hidden layer")
     return parser.parse_args()
 
 
@@ -63,7 +65,10 @@ def main():
     mx.random.seed(0)
     np.random.seed(0)
     net = gluon.nn.HybridSequential()
-    net.add(gluon.nn.Dense(32, activation="relu"), gluon.nn.Dense(10))
+    net.add(gluon.nn.Dense(32))
+    if opt.batchnorm:
+        net.add(gluon.nn.BatchNorm())
+    net.add(gluon.nn.Activation("relu"), gluon.nn.Dense(10))
     net.initialize(mx.init.Xavier(), ctx=ctx)
     net.hybridize()
     optimizer_params = {"learning_rate": opt.lr, "wd": opt.wd}
@@ -77,6 +82,7 @@ def main():
     val_data = get_val_rec(opt.rec_val, opt.batch_size) if opt.rec_val else None
     for epoch in range(opt.num_epochs):
         train_data.reset()
+        total = 0.0
         for i, batch in enumerate(train_data):
             # As gluoncv: the iterator's arrays live in pinned memory; load them per context.
             data = gluon.utils.split_and_load(batch.data[0], ctx_list=ctx, batch_axis=0)
@@ -86,8 +92,9 @@ def main():
             for loss in losses:
                 loss.backward()
             trainer.step(opt.batch_size)
-        print("epoch %d: %d batches, last loss %.4f"
-              % (epoch, i + 1, loss.mean().asscalar()), flush=True)
+            total += sum(l.sum().asscalar() for l in losses)
+        print("epoch %d: %d batches, last loss %.4f, loss summed %.6f"
+              % (epoch, i + 1, loss.mean().asscalar(), total), flush=True)
     print("final lr %.6g after %d updates" % (trainer.learning_rate,
                                                trainer.optimizer.num_update), flush=True)
     if val_data is not None:
