@@ -4,7 +4,7 @@ parameter servers, its 'sum' pull in 3 chunks.
     python tests/dist_scripts/shared_sum.py OUT     (under mxhylo.launch or horovodrun)
 
 Each worker pushes STEPS seeded gradients (numpy RandomState(SEED + rank)) and writes
-to OUT.npz (OUT may contain {rank}) every aggregate it pulled and the threshold it
+to OUT.npz (OUT may contain {rank}) every aggregate it pulled and the value it
 agreed after each step; OUT (JSON): the layer's chunks and pull bytes.
 """
 import json
@@ -36,7 +36,7 @@ def main(out):
         g = mx.nd.array(gradient(rng))
         kv.pushpull("fc", g)
         arrays["aggregate/%d" % step] = g.asnumpy()
-        arrays["threshold/%d" % step] = np.float64(kv.memory.scalar("fc", "shared_threshold"))
+        arrays["value/%d" % step] = np.float64(kv.memory.scalar("fc", "shared_value"))
     np.savez(out.format(rank=kv.rank) + ".npz", **arrays)
     stats = kv.stats()["layers"]["fc"]
     keys = getattr(kv.transport, "keys", None)        # (the parameter server's)
