@@ -11,7 +11,8 @@
         store delayed at random (seeded by SEED and rank), compress_pull by SEED % 2:
         the sums must be exact
     python tests/dist_keys_worker.py stall OUT      exchanges until the job is stopped,
-        writing the last completed step to OUT after each (the test stops a server)
+        writing the last completed step to OUT after each (the test stops a server);
+        stall:SECONDS: the same with stall_timeout=SECONDS instead of the default bound
     python tests/dist_keys_worker.py fp16 OUT       a layer in 3 chunks with the fp16 codec
         (policy), 3 steps of seeded gradients; writes OUT.npz too
     python tests/dist_keys_worker.py recheck OUT    the cost model measured again mid-run
@@ -161,10 +162,11 @@ def startup(seed):
         delattr(native, name)
 
 
-def stall():
+def stall(bound=None):
     import time
     # (no cost model: the conv layer must travel compressed, in a key of its own)
-    kv = mxhylo.create("dist_sync_hylo", warmup_steps=0, cost_model=False)
+    options = {} if bound is None else {"stall_timeout": bound}
+    kv = mxhylo.create("dist_sync_hylo", warmup_steps=0, cost_model=False, **options)
     shapes = {"conv": (64, 16, 3, 3), "bias": (10,)}
     keys = sorted(shapes)
     kv.broadcast(keys, [mx.nd.zeros(shapes[k]) for k in keys],
@@ -546,6 +548,10 @@ if mode == "fp16":
 
 if mode == "stall":
     stall()
+    sys.exit(0)
+
+if mode.startswith("stall:"):
+    stall(float(mode[len("stall:"):]))
     sys.exit(0)
 
 if mode.startswith("startup:"):

@@ -324,6 +324,11 @@ def test_topology_create_counters_destroy():
     assert netns.own_namespaces(topo.prefix) == []
 
 
+# default run: bench comm's harness in pieces (above: a real topology's counters, the
+# step and byte summaries, speedups and tables); its modes' exchanges in real jobs
+# (dist_sync_fp16's sum: test_bench_fp16.py; MXNet's 2-bit over the servers:
+# test_examples.py, PushThenPull; dense_pushpull is dist_sync's pushpull)
+@pytest.mark.slow
 @needs_netns
 def test_end_to_end_tiny(tmp_path):
     parser = argparse.ArgumentParser()

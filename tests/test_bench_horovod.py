@@ -273,6 +273,11 @@ needs_netns = pytest.mark.skipif(not netns.namespaces_usable(),
                                  reason="needs root and iproute2 to create network namespaces")
 
 
+# default run: bench comm's harness in pieces (test_bench_comm.py: a real topology's
+# counters, the step and byte summaries, speedups and tables; here: the Horovod jobs'
+# environment and rendezvous); its modes' exchanges trained in real jobs
+# (test_horovod.py: hylo and DistributedTrainer over Horovod; dist_sync in test_dist.py)
+@pytest.mark.slow
 @needs_netns
 @needs_horovod
 def test_tiny_comm_run_with_horovod_modes(tmp_path):

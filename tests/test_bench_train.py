@@ -443,6 +443,10 @@ needs_netns = pytest.mark.skipif(not netns.namespaces_usable(),
                                  reason="needs root and iproute2 to create network namespaces")
 
 
+# default run: bench train's harness for real in test_bench_horovod.py (its Horovod
+# peers); these stores trained over the servers in test_bench_fp16.py (dist_sync_fp16),
+# test_dist.py and test_user_scripts.py (hylo on either route, dist_sync)
+@pytest.mark.slow
 @needs_netns
 def test_tiny_real_run(tmp_path):
     out = tmp_path / "train.json"

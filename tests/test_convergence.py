@@ -1,4 +1,4 @@
-"""Convergence per step, in the default run: the conv net over the parameter server.
+"""Convergence per step: the conv net over the parameter server (python -m pytest --runslow).
 
 A short version of ``python -m mxhylo.bench accuracy`` (2 workers + 2 servers,
 conv_net on the digits at 16 px, constant lr 0.02 (the study's first protocol: no
@@ -19,6 +19,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# default run: the conv+dense digits net, hylo against dist_sync over 2 servers within
+# 1 point (test_dist.py), and the default store against 'device' in one process within
+# 1 point (test_kvstore.py)
+@pytest.mark.slow
 def test_default_store_converges_like_dist_sync_on_a_conv_net(tmp_path):
     out = str(tmp_path / "study.json")
     cmd = [sys.executable, "-m", "mxhylo.bench", "accuracy", "--nets", "conv_net",

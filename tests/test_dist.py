@@ -80,6 +80,9 @@ def test_hylo_workers_bitwise_identical_and_accuracy_near_dist_sync(tmp_path, di
     assert len(per_server) == 2 and per_server[0] > 0.7 * per_server[1]
 
 
+# default run: test_pull.py's gather-equals-dense-pull job (the dense pull's aggregate,
+# bitwise, its bytes) and the accuracy test above (the default pull)
+@pytest.mark.slow
 def test_dense_pull_keeps_workers_identical_and_accuracy(tmp_path, dist_sync):
     """compress_pull=False ('gather', the default: above): bitwise identical workers
     after training, accuracy within 1 point of dist_sync, the dense aggregate pulled."""
@@ -91,6 +94,10 @@ def test_dense_pull_keeps_workers_identical_and_accuracy(tmp_path, dist_sync):
     assert reports[0]["bytes_pulled"] >= reports[0]["dense_bytes"]
 
 
+# default run: compression off equals MXNet's 'device' store bitwise in one process
+# (test_kvstore.py); hylo over the servers with every layer uncompressed equals one
+# process (test_launch.py, mxhylo.run); over Horovod, DistributedTrainer (test_horovod.py)
+@pytest.mark.slow
 def test_hylo_without_compression_equals_dist_sync(tmp_path, dist_sync):
     params, _, _ = launch(tmp_path, "off", "--kvstore", "dist_sync_hylo",
                           "--policy", json.dumps({".*": "none"}))
@@ -125,6 +132,8 @@ def test_broadcast_gives_every_worker_rank0s_values_bitwise(tmp_path):
     assert np.signbit(got[0]["sent4"][0]) and got[1]["got4"][0] == 0.0   # (-0.0 == 0.0)
 
 
+# default run: the accuracy test above (Gluon's small tensors in 2 bucket messages)
+@pytest.mark.slow
 def test_small_tensors_travel_fused(tmp_path):
     """21 small uncompressed tensors pushed in one call: one bucket message per step."""
     proc, out, _ = launch_keys_worker(tmp_path, "fusion")
@@ -137,15 +146,22 @@ def test_small_tensors_travel_fused(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_a_stopped_server_ends_the_job_with_a_message(tmp_path):
+@pytest.mark.parametrize("mode, launcher_args", [
+    # the default bound: its 60 s floor (kvstore.watchdog.AUTO_MIN) is most of the run
+    pytest.param("stall", [], marks=pytest.mark.slow, id="default_bound"),
+    # (the stopped server ignores SIGTERM: SIGKILL comes after --grace)
+    pytest.param("stall:10", ["--grace", "1"], id="bound_10s")])
+def test_a_stopped_server_ends_the_job_with_a_message(tmp_path, mode, launcher_args):
     """A server stopped with SIGSTOP mid-training (a frozen machine): with the default
-    bound, every worker's watchdog ends it within 90 s, naming the exchange and the
-    server, and the launcher tears the job down."""
+    bound (or stall_timeout=10), every worker's watchdog ends it within 90 s, naming
+    the exchange and the server, and the launcher tears the job down. (The default
+    bound's value: test_watchdog.py.)"""
     import re
     import signal
     out = str(tmp_path / "stall-{rank}.txt")
-    cmd = [sys.executable, "-m", "mxhylo.launch", "-n", "2", "-s", "2", "--timeout", "200",
-           sys.executable, os.path.join(ROOT, "tests", "dist_keys_worker.py"), "stall", out]
+    cmd = [sys.executable, "-m", "mxhylo.launch", "-n", "2", "-s", "2", "--timeout", "200"] + \
+        launcher_args + [sys.executable, os.path.join(ROOT, "tests", "dist_keys_worker.py"),
+                         mode, out]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     lines, server_pid = [], None
@@ -213,13 +229,15 @@ def test_server_that_cannot_import_mxhylo_ends_the_job(tmp_path):
     assert seconds < 100
 
 
-def _startup_launches(tmp_path, launches):
-    """``launches`` jobs in a row of dist_keys_worker.py startup: every one must end
-    well, with exact sums (a key reaching a server before its init aborts the server)."""
-    for seed in range(launches):
+def _startup_launches(tmp_path, seeds):
+    """A job of dist_keys_worker.py startup:SEED for each of ``seeds``, in a row: every
+    one must end well, with exact sums (a key reaching a server before its init aborts
+    the server)."""
+    seeds = list(seeds)
+    for launch, seed in enumerate(seeds):
         proc, out, _ = launch_keys_worker(tmp_path, "startup:%d" % seed, timeout=90)
         assert proc.returncode == 0, "launch %d of %d: %s" % (
-            seed + 1, launches, proc.stdout[-3000:] + proc.stderr[-3000:])
+            launch + 1, len(seeds), proc.stdout[-3000:] + proc.stderr[-3000:])
         for rank in range(2):
             report = json.load(open(out.format(rank=rank)))
             assert report["ok"], (seed, report)
@@ -227,16 +245,22 @@ def _startup_launches(tmp_path, launches):
 
 
 def test_keys_made_during_training_under_shaken_timing(tmp_path):
-    _startup_launches(tmp_path, 4)
+    # seed 1: the default pull, 'gather' (compress_pull by the seed's parity; the
+    # dense pull's keys, even seeds, in the 50 launches below)
+    _startup_launches(tmp_path, [1])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(50 * 60)
 def test_keys_made_during_training_50_launches(tmp_path):
     """The issue's bar: 50 consecutive start-ups (python -m pytest --runslow)."""
-    _startup_launches(tmp_path, 50)
+    _startup_launches(tmp_path, range(50))
 
 
+# default run: test_overlap.py (overlap on and off bitwise equal, pushes during
+# backward), test_kvstore.py (the step's order against Gluon's per-key one, bitwise),
+# and the jobs above, whose stores overlap by default
+@pytest.mark.slow
 def test_overlapped_exchange_equals_serial_ones_bitwise_and_pushes_during_backward(
         tmp_path):
     """2 workers + 2 servers, a conv net whose first layer's backward is late (0.8 s):
@@ -309,6 +333,10 @@ def test_cost_model_every_worker_reaches_rank0s_plan(tmp_path):
         assert name not in exchanged or reports[0]["plans"][name] == p["strategy"], name
 
 
+# default run: a drift measuring the cost model again in test_cost_recheck.py (one
+# process); every worker taking rank 0's measurement over the servers in
+# test_cost_model_every_worker_reaches_rank0s_plan
+@pytest.mark.slow
 def test_drift_seen_by_rank0_alone_makes_every_worker_measure_again(tmp_path):
     """2 workers + 2 servers: only rank 0's exchanges drift (forced times); at the drift
     check after the change both workers measure the cost model again, at the same step
@@ -323,6 +351,10 @@ def test_drift_seen_by_rank0_alone_makes_every_worker_measure_again(tmp_path):
         np.testing.assert_array_equal(runs[1][name], value, err_msg=name)
 
 
+# default run: test_cost_recheck.py (the same re-plans in one process), the cost
+# model's real probes over the servers (test_cost_model_every_worker_reaches_rank0s_plan)
+# and a drift making every worker measure again (the test above)
+@pytest.mark.slow
 def test_cost_model_rechecked_mid_run_replans_and_loses_nothing(tmp_path):
     """recheck_costs (real probes mid-run, the fitted wire forced slow, fast, slow,
     fast): layers go compressed -> dense -> compressed -> dense on both workers at the
@@ -388,6 +420,10 @@ def test_servers_route_equals_dist_sync_and_takes_a_new_learning_rate(tmp_path):
                                       err_msg=key)
 
 
+# default run: server_update='auto' over the servers with the cost model, and with
+# it off over Horovod (test_user_scripts.py: ps-auto, horovod-auto-cost_off); a route
+# on trial (test_route_trial_... below); the route without measurements (test_plan.py)
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["auto", "auto_dense_pull"])
 def test_route_chosen_by_rank0s_figures(tmp_path, how):
     """server_update='auto': every worker takes the same route. With the cost model its
@@ -410,7 +446,9 @@ def test_route_chosen_by_rank0s_figures(tmp_path, how):
     assert_same(arrays[0], arrays[1])
 
 
-@pytest.mark.parametrize("faster", ["workers", "servers"])
+@pytest.mark.parametrize("faster", [
+    # (the 'servers' case trials the workers' route too, then goes back)
+    pytest.param("workers", marks=pytest.mark.slow), "servers"])
 def test_route_trial_keeps_the_faster_route_and_moves_the_optimizer(tmp_path, faster):
     """A route on trial (kvstore.route; its clock forced): 3 warm-up steps on the
     servers, 4 compressed steps on the workers, then the faster route for good; going

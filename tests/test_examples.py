@@ -47,8 +47,8 @@ def test_resnet18_two_workers_one_server_finishes_an_epoch(digits_rec, tmp_path)
     accuracy and bytes, a checkpoint with each worker's residuals."""
     cmd = [sys.executable, "-m", "mxhylo.launch", "-n", "2", "-s", "1", "--timeout", "150",
            sys.executable, SCRIPT, "--model", "resnet18_v1b", "--kvstore", "dist_sync_hylo",
-           "--num-epochs", "1", "--batch-size", "32", "--log-interval", "10",
-           "--lr", "2", "--eta", "0.02", "--hylo-warmup-steps", "0",   # one epoch: 21 steps
+           "--num-epochs", "1", "--batch-size", "64", "--log-interval", "3",
+           "--lr", "2", "--eta", "0.02", "--hylo-warmup-steps", "0",   # one epoch: 10 steps
            "--save-dir", str(tmp_path), "--json", str(tmp_path / "summary-{rank}.json")]
     rc, log = _run(cmd + _data_args(digits_rec), timeout=180)
     assert rc == 0, log[-4000:]
@@ -70,6 +70,10 @@ def test_resnet18_two_workers_one_server_finishes_an_epoch(digits_rec, tmp_path)
         assert (tmp_path / name).is_file(), name
 
 
+# default run: LARSTrainer with the hylo store resumed bit-exact, schedule position
+# included (test_lars.py), the store over two devices of one process (test_kvstore.py),
+# train_imagenet.py's checkpoints (the test above)
+@pytest.mark.slow
 def test_one_process_two_cpu_devices_then_resume(digits_rec, tmp_path):
     """--kvstore hylo in one process over cpu(0) and cpu(1), then --resume-* for epoch 1."""
     common = [sys.executable, SCRIPT, "--model", "cifar_resnet20_v1", "--kvstore", "hylo",

@@ -193,6 +193,10 @@ def test_hylo_over_horovod_keeps_workers_bitwise_identical(tmp_path):
             assert entry["bytes_pushed"] < 0.5 * entry["dense_bytes"]
 
 
+# default run: the cost model on over Horovod with workers bitwise equal
+# (test_user_scripts.py, horovod-auto-cost_auto), rank 0's plan on every worker over
+# the servers (test_dist.py)
+@pytest.mark.slow
 def test_cost_model_over_horovod_every_worker_takes_rank0s_plan(tmp_path):
     """With every default the cost model runs over Horovod too ('allgather' form: W/2
     payloads per ring byte, W decodes): the workers time their own probes, take rank
@@ -209,6 +213,9 @@ def test_cost_model_over_horovod_every_worker_takes_rank0s_plan(tmp_path):
         assert p["strategy"] == "none" or p["codec_s"] < 0.9 * p["dense_s"], (name, p)
 
 
+# default run: LARSTrainer with the hylo store in a real job (test_examples.py,
+# train_imagenet.py over the servers), the store over Horovod (the test above)
+@pytest.mark.slow
 def test_lars_trainer_over_horovod_keeps_workers_bitwise_identical(tmp_path):
     """LARSTrainer (dynamic loss scaling, no momentum correction: LARS is not MXNet's
     SGD) with the hylo store over Horovod: compressed steps, workers bitwise equal,

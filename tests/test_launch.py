@@ -312,6 +312,9 @@ def test_help_documents_itself():
 
 # ----------------------------------------------------------------------------- real jobs
 
+# default run: the same job through the ssh launcher (test_ssh_launcher_end_to_end_...);
+# dist_sync's workers bitwise equal under mxhylo.launch (test_dist.py's dist_sync run)
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_dist_sync_digits_job_workers_agree(tmp_path):
     rc, out, secs = run_launcher(["-n", "2", "-s", "2", PY, DIGITS, "--kvstore", KV,
@@ -390,7 +393,9 @@ def _batch_order_rec(src, dst, parts, batch):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kvstore", ["dist_sync", "dist_sync_hylo"])
+@pytest.mark.parametrize("kvstore", [
+    # (dist_sync under mxhylo.run, in the default run: test_run_batch_schedule_...)
+    pytest.param("dist_sync", marks=pytest.mark.slow), "dist_sync_hylo"])
 def test_run_unmodified_script_equals_one_process_with_double_batch(tmp_path, kvstore):
     """2 workers x batch b under mxhylo.run == 1 process x batch 2b, plain SGD.
 

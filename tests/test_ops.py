@@ -1052,6 +1052,10 @@ def test_avx2_build_has_no_avx512(isa_outputs):
     assert "%zmm" not in asm and "%k1" not in asm  # ... and no AVX-512 register
 
 
+# default run: every ISA level's build in its own process, bitwise the native one's
+# (test_isa_builds_agree_bitwise), the CPU's features and a level it lacks refused by
+# name (test_isa_levels_and_missing_features, test_level_the_cpu_lacks_is_refused_...)
+@pytest.mark.slow
 def test_bench_ops_smoke(tmp_path):
     """python -m mxhylo.bench ops, tiny: two ISA levels in their own processes, the
     CPU's features, identical outputs, a plot (speed itself is never asserted)."""

@@ -257,7 +257,10 @@ def bn_runs(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("store", ROUTES)
+@pytest.mark.parametrize("store", [
+    # (the workers' route pulls no weights; a BatchNorm net evaluated and trained on
+    # it, in the default run: test_user_scripts.py)
+    pytest.param(s, marks=pytest.mark.slow) if s == "workers" else s for s in ROUTES])
 def test_bn_net_evaluated_between_steps_trains_on_every_route(bn_runs, store):
     reports = bn_runs(store)
     assert [r["rank"] for r in reports] == [0, 1]

@@ -14,7 +14,9 @@ launch of the start-up soak too: every launch runs while two busy loops load bot
 cores, without the launcher's relaunch, and must end with rc 0 and both workers'
 trained parameters bitwise equal; and as a matrix case, evaluate, and have
 save_states work on either route of the hylo store (MXNet's dist_sync with updates on
-the servers raises its own assertion). The default run launches each case once (10 launches);
+the servers raises its own assertion). The default run launches the cases of
+DEFAULT_CASES once (7 launches: together every level of every factor, every launch
+with each route it takes, and every launch with hylo's cost model running and not);
 --runslow launches the whole list 10 times (100 launches).
 
 Every job has a timeout (the launcher's own and one on the whole command), the
@@ -165,7 +167,7 @@ HYLO_ROUTE_OPTIONS = {
 
 # update_on_kvstore=True makes explicit what dist_sync does with it unset: one
 # combination, not crossed with the other factors (crossed, the cover would need 11
-# cases, one launch more than the default run's 10).
+# cases, one launch more than the list's 10).
 UPDATE_ON_KVSTORE_TRUE = {"how": "run", "store": "object", "init": "deferred",
                           "hybridize": False, "batchnorm": False}
 
@@ -222,6 +224,36 @@ CASES = pairwise_cases(FACTORS, feasible)
 REPEATS_SLOW = 10          # --runslow: the case list this many times (100 launches)
 
 
+def runs_cost_model(case):
+    """Whether hylo's cost model runs in the job (MXNet's dist_sync has none; the
+    workers' route's explicit options keep it off)."""
+    return case["how"] != "run" and case["cost_model"] == "auto" and \
+        case["route"] != "workers"
+
+
+def _features(case):
+    return {(name, level) for name, level in case.items()} | {
+        ("how+route", (case["how"], case["route"])),
+        ("how+cost model runs", (case["how"], runs_cost_model(case)))}
+
+
+def default_cases(cases):
+    """The cases of the default run: greedily, the case with the most features not
+    taken yet (the first on ties), until every feature of ``cases`` is taken; the
+    features: each factor's level, each launch with a route, each launch with its
+    cost model running or not."""
+    left = set().union(*map(_features, cases))
+    chosen = []
+    while left:
+        best = max(cases, key=lambda c: len(_features(c) & left))
+        chosen.append(best)
+        left -= _features(best)
+    return chosen
+
+
+DEFAULT_CASES = default_cases(CASES)
+
+
 def case_id(case):
     return "-".join([case["how"], case["route"], "cost_" + case["cost_model"],
                      case["store"], "uok_" + case["update_on_kvstore"],
@@ -264,6 +296,12 @@ def test_the_cases_cover_every_feasible_pair():
     assert len(CASES) == 10
 
 
+def test_the_default_launches_cover_every_level_route_and_cost_model():
+    assert set().union(*map(_features, DEFAULT_CASES)) == \
+        set().union(*map(_features, CASES))
+    assert all(c in CASES for c in DEFAULT_CASES) and len(DEFAULT_CASES) == 7
+
+
 def test_the_cases_cover_the_soak():
     """The launches spread over every Trainer construction, launch and cost model
     setting the start-up soak asks for."""
@@ -295,12 +333,14 @@ def both_cores_busy():
 
 
 def _launches():
-    """Each case once (the default run), then --runslow's further repeats of the list."""
+    """Each case once (DEFAULT_CASES in the default run), then --runslow's further
+    repeats of the list."""
     params = []
     for repeat in range(REPEATS_SLOW):
         for i, case in enumerate(CASES):
             launch = repeat * len(CASES) + i
-            params.append(pytest.param(case, marks=[pytest.mark.slow] if repeat else [],
+            slow = repeat or case not in DEFAULT_CASES
+            params.append(pytest.param(case, marks=[pytest.mark.slow] if slow else [],
                                        id="launch%03d-%s" % (launch, case_id(case))))
     return params
 
