@@ -211,11 +211,13 @@ def test_a_one_process_store_trains_with_the_shared_codec():
     evaluates."""
     mx.random.seed(0)
     np.random.seed(0)
-    net = mx.gluon.nn.HybridSequential()
-    net.add(mx.gluon.nn.Dense(64, activation="relu"), mx.gluon.nn.Dense(10))
+    # (a prefix of its own: Gluon numbers layers process-wide)
+    net = mx.gluon.nn.HybridSequential(prefix="shared_")
+    with net.name_scope():
+        net.add(mx.gluon.nn.Dense(64, activation="relu"), mx.gluon.nn.Dense(10))
     net.initialize(mx.init.Xavier())
     net.hybridize()
-    kv = mxhylo.create("hylo", policy={".*dense0_weight": "shared_2bit"},
+    kv = mxhylo.create("hylo", policy={"shared_dense0_weight": "shared_2bit"},
                        size_threshold=1)
     trainer = mx.gluon.Trainer(net.collect_params(), "sgd",
                                {"learning_rate": 0.1, "momentum": 0.9}, kvstore=kv)
@@ -233,10 +235,10 @@ def test_a_one_process_store_trains_with_the_shared_codec():
             trainer.step(64)
     accuracy = (net(mx.nd.array(data)).argmax(axis=1).asnumpy() == labels).mean()
     assert accuracy > 0.9
-    layer = kv.stats()["layers"]["dense0_weight"]
+    layer = kv.stats()["layers"]["shared_dense0_weight"]
     assert layer["policy"] == "shared_2bit"
     assert layer["last_bytes"] < layer["dense_bytes"] / layer["steps"] / 8   # past warm-up
-    v = kv.memory.scalar("dense0_weight", "shared_value")
+    v = kv.memory.scalar("shared_dense0_weight", "shared_value")
     assert v is not None and 0 < v < 1
 
 
