@@ -36,16 +36,17 @@ REMOVED_OPTIONS = {
 
 # (name, default shown, what it does, when to change it): the options table
 TABLE = (
-    ("policy", "{}", "name regex -> codec ('conv_topk', 'fc_2bit', 'fp16', 'none'), "
+    ("policy", "{}", "name regex -> codec ('conv_topk', 'fc_2bit', 'shared_2bit', 'fp16', "
+     "'none'), "
      "tried in order, before the rule", "to force a codec on some layers; "
      "{'.*': 'none'} turns compression off"),
     ("size_threshold", "8192", "layers with fewer elements travel uncompressed",
      "rarely; fixes the plan without the cost model"),
     ("conv_rate", "None (adaptive)", "fraction of a conv layer's filters sent per step",
      "to trade bytes for staleness on conv layers"),
-    ("compress_pull", "'auto'", "'auto'/True: the workers' payloads gathered (exact); "
-     "False: the dense aggregate", "False where W is large enough that gathering "
-     "costs more than the dense pull"),
+    ("compress_pull", "'auto'", "'auto'/True: the workers' payloads gathered (exact; "
+     "from 16 workers, shared_2bit's integer sums); False: the dense aggregate",
+     "rarely: False for Hylo's dense pull as published"),
     ("warmup_steps", "30", "a compressed layer's first exchanges travel dense",
      "0 to compress from the first step (2-bit layers need no warm-up; top-k conv "
      "layers do)"),

@@ -24,8 +24,8 @@ The rules:
 3. The pull: compressed layers come back as every worker's payload ('gather') where
    compress_pull asks for it and always over Horovod (its allgather), else dense;
    uncompressed layers always dense.
-4. Past one rack: from SHARED_SCALE_WORKERS workers on, a layer the rule compresses
-   takes shared_2bit instead (kvstore.codec_shared), whose aggregate the servers sum
+4. Past one rack: from SHARED_SCALE_WORKERS workers on, where the pull is compressed,
+   a layer the rule compresses takes shared_2bit instead (kvstore.codec_shared), whose aggregate the servers sum
    as integers (the 'sum' pull): a gathered pull grows with W (resnet50_v1b's
    compressed layers: 0.28 of their dense bytes at W = 8, 0.55 at 16, dense at 64),
    the sum pull by log2(2W + 1) bits (0.18 at 16, 0.27 at 64). Below it the gather
@@ -280,7 +280,8 @@ def make_plan(layers, *, policy, compress_pull, server_update, costs, trainer=No
         costs.wire, dict(costs.codecs), int(num_workers), model_pull,
         momentum_s=costs.momentum_s, links=costs.links)
     momentum = trainer is not None and trainer.momentum
-    shared = transport != "local" and int(num_workers) >= SHARED_SCALE_WORKERS
+    shared = (transport != "local" and compressed_pull == "gather"
+              and int(num_workers) >= SHARED_SCALE_WORKERS)
     decisions = [_decide(policy, name, shape, model, compressors, momentum, compressed_pull,
                          shared) for name, shape in layers]
 

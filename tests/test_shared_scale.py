@@ -245,10 +245,10 @@ def test_a_one_process_store_trains_with_the_shared_codec():
 LAYERS = [("fc_weight", (1000, 2048)), ("conv_weight", (256, 256, 3, 3)), ("bias", (10,))]
 
 
-def _plan_codecs(workers, transport="ps", policy=None):
+def _plan_codecs(workers, transport="ps", policy=None, compress_pull="gather"):
     from mxhylo.kvstore.plan import make_plan
     from mxhylo.kvstore.policy import LayerPolicy
-    plan = make_plan(LAYERS, policy=LayerPolicy(policy=policy), compress_pull="gather",
+    plan = make_plan(LAYERS, policy=LayerPolicy(policy=policy), compress_pull=compress_pull,
                      server_update=False, costs=None, num_workers=workers, num_servers=2,
                      transport=transport)
     return {d.name: (d.codec, d.pull) for d in plan.layers}
@@ -269,6 +269,8 @@ def test_the_plan_takes_the_shared_scale_from_16_workers():
     assert named["conv_weight"] == ("conv_topk", "gather")
     assert named["fc_weight"] == ("shared_2bit", "sum")
     assert _plan_codecs(64, "local")["fc_weight"] == ("fc_2bit", "gather")
+    # the dense pull asked for: today's codecs, the dense aggregate
+    assert _plan_codecs(64, compress_pull=None)["fc_weight"] == ("fc_2bit", "dense")
 
 
 def test_the_cost_model_prices_the_sum_pull():
