@@ -39,7 +39,10 @@ def _launch(launcher, workers, out):
             sys.executable, SCRIPT, out]
 
 
-@pytest.mark.parametrize("launcher, workers", [("ps", 2), ("ps", 4), ("horovod", 2)])
+@pytest.mark.parametrize("launcher, workers", [
+    ("ps", 2), ("horovod", 2),
+    # 6 processes on the servers' sum: the same path as W = 2 with more slots
+    pytest.param("ps", 4, marks=pytest.mark.slow)])
 def test_real_jobs_sum_pull_is_the_simulation_bitwise(tmp_path, launcher, workers):
     out = str(tmp_path / "shared-{rank}")
     proc = subprocess.Popen(_launch(launcher, workers, out), cwd=ROOT, text=True,
