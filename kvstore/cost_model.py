@@ -55,10 +55,11 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
+from .compressors import make_compressors
 from .sums import packed_nbytes
 
-# codecs whose aggregate the servers sum as integers (kvstore.codec_shared)
-SUMMABLE = ("shared_2bit",)
+# the codecs' own facts: which aggregates the servers sum as integers (codec_shared)
+_CODECS = make_compressors()
 
 DEFAULT_MARGIN = 0.1          # compress only when predicted >= 10% faster than dense
 
@@ -182,7 +183,7 @@ class CostModel:
         if plan.strategy == "none":
             return Prediction(dense, dense, "none")
         cost = self.codecs[plan.strategy]
-        if plan.strategy in SUMMABLE and self.pull != "allgather":
+        if getattr(_CODECS[plan.strategy], "summable", False) and self.pull != "allgather":
             # the servers' integer sums, one decode (kvstore.sums; 30 bits a value)
             down, decodes = packed_nbytes(plan.size, self.workers) * 32 / 30, 1
         elif self.pull == "gather":
