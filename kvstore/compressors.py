@@ -46,7 +46,7 @@ class TwoBit(Compressor):
     left owed to the next step's pass (defer=True): one pass over grad and residual
     per step. Sending t itself (Hylo's code) sends
     less than the elements hold (t is the smallest of them), and the rest waits in the
-    residual; measured in the accuracy study (README), v converges in fewer steps.
+    residual; in the accuracy study (docs/BENCHMARKS.md), v converges in fewer steps.
     Payload: int32 codes (16 per word) and v.
     """
     name = "fc_2bit"

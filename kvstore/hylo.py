@@ -46,7 +46,7 @@ OVERLAP = True
 class Hylo(KVStoreBase):
     """Hylo layer-aware gradient compression as an MXNet kvstore.
 
-    Options: see kvstore.options.TABLE (the README's options table). The plan:
+    Options: see kvstore.options.TABLE (rendered as the README's options table). The plan:
     ``plan()``; what happened: ``stats()``.
     """
     kv_type = "hylo"

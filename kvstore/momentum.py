@@ -5,7 +5,7 @@ Why: with error feedback alone, a filter or element that waits T steps in the re
 arrives as the sum of T gradients, and only then does the Trainer's momentum start to
 spread it over the next 1/(1 - m) steps: its effect comes late and in one burst. On
 conv nets at common learning rates that burst is what made compressed training fall
-behind dense per step or collapse (README, "Accuracy"). DGC's remedy, done here:
+behind dense per step or collapse (docs/BENCHMARKS.md, accuracy). DGC's remedy, done here:
 
 * each worker keeps a velocity per compressed layer, ``u <- m * u + g``, and the codec
   compresses ``u`` (plus the residual) instead of ``g``: what leaves is momentum the

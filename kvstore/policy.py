@@ -23,8 +23,7 @@ The rule (Hylo):
   with the defaults) goes ``fc_2bit`` instead: for no more bytes, 2 bits send part of
   every element every step, where top-k leaves most filters waiting 10-16 steps in
   the residual. That wait was what made resnet20 slower per step than dense in the
-  accuracy study (conv_net and digits_net moved within their noise; README,
-  "Accuracy").
+  accuracy study (conv_net and digits_net moved within their noise; docs/BENCHMARKS.md).
 * 2-D weight (out, in), a fully connected layer -> ``fc_2bit``: every element is sent
   as one of {-v, 0, +v} (v: the mean |g + r| of the elements sent); the threshold that
   decides which are sent adapts to the size of that layer's values,

@@ -240,7 +240,7 @@ class PSTransport(Transport):
         # floor. Its figure assumes a layer alone on the links; in a whole exchange the
         # placement already balances the servers with whole layers, and cutting at the
         # model's ~10 000 elements at 1 Gbit/s (13 more keys per step on resnet50) made
-        # the exchange no faster here (README, "The cost model").
+        # the exchange no faster here (docs/DESIGN.md, the cost model).
         split = self.keys.split_elements if self._split_given \
             else max(DEFAULT_SPLIT_MIN, links.split_min_elements())
         self.keys.use_links(links, split)

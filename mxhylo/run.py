@@ -16,7 +16,7 @@ worker: the distributed kvstore is created once (default
   process with batch W*b, a training mx.io.ImageRecordIter reads only this worker's
   part of the file (an evaluation reader all of it),
   and a script's own mx.kv.create('dist_...') gets the job's store. What is and is
-  not patched: DistributedPatches, and the README's "mxhylo.run" section.
+  not patched: DistributedPatches.
 
 Under horovodrun (``horovodrun -np W -H ... --gloo python -m mxhylo.run SCRIPT``, no
 DMLC_ROLE) every process is a worker as above, and the hylo store moves gradients with

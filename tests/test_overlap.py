@@ -166,7 +166,7 @@ LATER = ("fc.weight", "fc.bias", "out.weight", "out.bias")   # after the late on
 def test_overlapped_step_pushes_during_backward_and_equals_the_serial_one(monkeypatch):
     """The layers whose gradients backward writes before the late one go while it
     still sleeps (uncompressed: every one of them; compressed: the exchange has begun,
-    see README "Overlap" for why an encode may wait on MXNet's temp space); the
+    an encode may wait on MXNet's temp space); the
     serial exchange (hylo.OVERLAP = False) starts after backward. Bitwise the same
     weights."""
     for options in ({"policy": {".*": "none"}}, {}):
