@@ -23,8 +23,17 @@ is one of these, the launcher stops it, says so in one line, and starts the whol
 job again with a fresh scheduler port (unless --port): at most twice, 3 attempts
 in all (--no-relaunch: never). --timeout counts for each attempt; the exit code is
 the last attempt's. (Processes that import mxhylo are not exposed to the race.)
+
+Network: ps-lite has no authentication, and the servers run what the workers send
+them (MXNet's servers unpickle the optimizer; mxhylo's decoder trusts every peer):
+run jobs only on a network whose hosts you trust. Every process listens on one IPv4
+address, never on all interfaces: that of --interface NAME (or of DMLC_INTERFACE,
+when the launching shell sets it); by default the one that reaches the scheduler:
+loopback (127.0.0.1) for a local job; for an ssh job, the launching host's address
+towards the hostfile's hosts, and each remote process its hostfile address.
 """
 import argparse
+import fcntl
 import json
 import os
 import re
@@ -32,10 +41,13 @@ import shlex
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 from mxhylo import procs
 
@@ -229,11 +241,160 @@ def ssh_argv(host, port, remote, ssh_program="ssh"):
                                        host, remote]
 
 
+# ----------------------------------------------------------------------------- where roles listen
+
+LOOPBACK = "127.0.0.1"
+SIOCGIFADDR = 0x8915        # linux/sockios.h: an interface's (first) IPv4 address
+IFNAMSIZ = 16               # linux/if.h: interface names are shorter than this, in bytes
+
+
+class BindError(ValueError):
+    """The roles cannot be bound as asked (an unknown interface, conflicting options)."""
+
+
+def interface_ipv4(name):
+    """The IPv4 address (dotted quad) of this host's interface ``name``, or None when
+    no interface has that name or it has no IPv4 address (Linux's SIOCGIFADDR: the
+    interface's first address)."""
+    raw = name.encode()
+    if not raw or len(raw) >= IFNAMSIZ or b"\0" in raw:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            ifreq = fcntl.ioctl(sock.fileno(), SIOCGIFADDR, struct.pack("256s", raw))
+        except OSError:
+            return None
+    # struct ifreq: the name (16 bytes), then a sockaddr_in (family, port, address)
+    return socket.inet_ntoa(ifreq[IFNAMSIZ + 4:IFNAMSIZ + 8])
+
+
+def interfaces():
+    """[(name, IPv4 address or None)] of this host's interfaces, by index."""
+    return [(name, interface_ipv4(name)) for _, name in socket.if_nameindex()]
+
+
+def interface_of(address):
+    """The name of the interface whose IPv4 address is ``address``, or None."""
+    for name, ipv4 in interfaces():
+        if ipv4 == address:
+            return name
+    return None
+
+
+def interface_address(name, label=None):
+    """``name``'s IPv4 address; BindError naming it (as ``label`` says where it came
+    from, default '--interface NAME') and listing this host's interfaces when it has
+    none (ps-lite listens on IPv4 only) or does not exist."""
+    address = interface_ipv4(name)
+    if address is not None:
+        return address
+    found = interfaces()
+    listing = ", ".join("%s (%s)" % (n, a or "no IPv4 address") for n, a in found)
+    why = ("the interface has no IPv4 address (ps-lite listens on IPv4 only)"
+           if name in [n for n, _ in found] else "this host has no interface of that name")
+    raise BindError("%s: %s; this host's interfaces: %s"
+                    % (label or "--interface " + name, why, listing))
+
+
+def source_address(address):
+    """The address of this host the kernel sends from to reach IPv4 ``address`` (a
+    connected UDP socket: no packet is sent). OSError when no route leads there."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect((address, 9))
+        return sock.getsockname()[0]
+
+
+def reaching_address(hosts):
+    """The one address of this host from which it reaches every host of ``hosts``
+    ([(host, port)], a hostfile's) that resolves here; dmlc-tracker's choice
+    (procs.host_ip('ip')) when none does. BindError when they are reached from
+    different addresses: the scheduler listens on one."""
+    sources = {}
+    for host, _ in hosts:
+        try:
+            sources.setdefault(source_address(node_address(host)), []).append(host)
+        except OSError:         # a name that does not resolve here (an ssh alias)
+            continue
+    if not sources:
+        return procs.host_ip("ip")
+    if len(sources) > 1:
+        raise BindError(
+            "the hostfile's hosts are reached from different addresses of this host (%s), "
+            "and the scheduler listens on one: give --interface NAME or --host-ip ADDRESS"
+            % "; ".join("%s from %s" % (", ".join(h), a) for a, h in sorted(sources.items())))
+    return next(iter(sources))
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Where the processes of a job listen (ps-lite: one socket each).
+
+    scheduler_uri: DMLC_PS_ROOT_URI, where the scheduler listens (on the launching
+    host) and every process finds it; address: the IPv4 address the launching host's
+    processes listen on (DMLC_NODE_HOST); interface: the interface holding it
+    (DMLC_INTERFACE; None when no interface's first address is it); remote_interface:
+    the interface ssh processes listen on, each on its own host (DMLC_INTERFACE with
+    no DMLC_NODE_HOST); None: each on its hostfile address, as dmlc-tracker.
+    """
+    scheduler_uri: str
+    address: str
+    interface: Optional[str] = None
+    remote_interface: Optional[str] = None
+
+    def local_env(self):
+        """The variables that bind a process of the launching host."""
+        env = {"DMLC_NODE_HOST": self.address}
+        if self.interface:
+            env["DMLC_INTERFACE"] = self.interface
+        return env
+
+    def describe(self):
+        """'127.0.0.1 (lo)' for the launcher's log."""
+        return self.address + (" (%s)" % self.interface if self.interface else "")
+
+
+def job_binding(args, environ):
+    """The Binding of the job ``args`` describes; BindError when it cannot be made.
+
+    The interface is --interface's, else DMLC_INTERFACE's of the launching shell; then
+    every process listens on its IPv4 address (on ssh hosts, that of their interface of
+    that name). Without one: a local job on loopback (or --host-ip's address), an ssh
+    job's launching host on the address that reaches the hostfile's hosts (or --host-ip's)
+    and the remote processes on their hostfile addresses.
+    """
+    name = args.interface
+    label = "--interface %s" % name
+    if not name and environ.get("DMLC_INTERFACE"):
+        name = environ["DMLC_INTERFACE"]
+        label = "DMLC_INTERFACE=%s (set in this shell; --interface overrides it)" % name
+    if name:
+        address = interface_address(name, label)
+        if args.host_ip != "auto" and node_address(procs.host_ip(args.host_ip)) != address:
+            raise BindError("--host-ip %s is not the address of %s, %s: the scheduler "
+                            "listens on its address; give one of the two"
+                            % (args.host_ip, label, address))
+        return Binding(address, address, name,
+                       name if args.launcher == "ssh" else None)
+    if args.host_ip != "auto":
+        uri = procs.host_ip(args.host_ip)
+    elif args.launcher == "local":
+        uri = LOOPBACK
+    else:
+        uri = reaching_address(read_hostfile(args.hostfile))
+    address = node_address(uri)
+    return Binding(uri, address, interface_of(address))
+
+
 # ----------------------------------------------------------------------------- the plan
 
-def plan_children(args, root_uri, root_port, environ=None):
-    """The Child objects of the job, scheduler first, then workers, then servers."""
+def plan_children(args, root_uri, root_port, environ=None, binding=None):
+    """The Child objects of the job, scheduler first, then workers, then servers.
+
+    binding: a Binding whose variables every process gets (after dmlc-tracker's, before
+    --env's); None: dmlc-tracker's variables alone, where ps-lite picks the address.
+    """
     environ = dict(os.environ if environ is None else environ)
+    bound = binding.local_env() if binding is not None else {}
     # Children's output goes through a pipe; unbuffered Python keeps the lines flowing
     # as they are printed instead of in 8 KiB blocks (a user's value is kept).
     extra = {} if "PYTHONUNBUFFERED" in environ else {"PYTHONUNBUFFERED": "1"}
@@ -242,6 +403,7 @@ def plan_children(args, root_uri, root_port, environ=None):
 
     sched_env = dict(environ)
     sched_env.update(role_env("scheduler", W, S, root_uri, root_port))
+    sched_env.update(bound)     # (the scheduler itself listens on DMLC_PS_ROOT_URI)
     sched_env.update(extra)
     sched_env.update(user_overrides(args, "scheduler"))
     children.append(procs.Child("scheduler", "scheduler", local_argv(args.command), sched_env))
@@ -253,6 +415,7 @@ def plan_children(args, root_uri, root_port, environ=None):
             index = task_id if role == "worker" else task_id - W
             env = dict(environ)
             env.update(role_env(role, W, S, root_uri, root_port, "local", task_id=task_id))
+            env.update(bound)
             env.update(extra)
             if role == "server":
                 env.update(server_defaults(environ))
@@ -271,6 +434,10 @@ def plan_children(args, root_uri, root_port, environ=None):
         exports = {k: environ[k] for k in SSH_PASSTHROUGH if k in environ}
         exports.update(role_env(role, W, S, root_uri, root_port, "ssh",
                                 node_host=node_address(host)))
+        if binding is not None and binding.remote_interface:
+            # ps-lite prefers DMLC_NODE_HOST: without it, it reads the interface's address
+            del exports["DMLC_NODE_HOST"]
+            exports["DMLC_INTERFACE"] = binding.remote_interface
         # The remote shell does not inherit ours: pass the setting along either way.
         exports["PYTHONUNBUFFERED"] = environ.get("PYTHONUNBUFFERED", "1")
         if role == "server":
@@ -519,11 +686,17 @@ def build_parser():
                "  python -m mxhylo.launch -n 2 -s 2 python train.py --kvstore dist_sync\n"
                "  python -m mxhylo.launch -n 4 -s 2 python -m mxhylo.run train_imagenet.py\n"
                "  python -m mxhylo.launch -n 4 -s 4 --launcher ssh -H hosts python -m "
-               "mxhylo.run train.py\n\n"
+               "mxhylo.run train.py\n"
+               "  python -m mxhylo.launch -n 4 -s 4 --launcher ssh -H hosts --interface "
+               "eth1 python train.py\n\n"
                "environment (as MXNet's tools/launch.py): DMLC_ROLE, DMLC_PS_ROOT_URI, "
                "DMLC_PS_ROOT_PORT,\nDMLC_NUM_WORKER, DMLC_NUM_SERVER; local: DMLC_TASK_ID, "
                "DMLC_JOB_CLUSTER=local;\nssh: DMLC_NODE_HOST. Also PYTHONUNBUFFERED=1 "
-               "unless already set.")
+               "unless already set, and where each process listens:\nDMLC_NODE_HOST "
+               "and DMLC_INTERFACE (see --interface).\n\n"
+               "security: ps-lite has no authentication and the servers trust what "
+               "every peer sends;\nrun jobs only on a trusted network, bound to it "
+               "with --interface.")
     p.add_argument("-n", "--num-workers", type=int, required=True,
                    help="number of worker processes")
     p.add_argument("-s", "--num-servers", type=int,
@@ -539,9 +712,19 @@ def build_parser():
                         "directory's path)")
     p.add_argument("--ssh", default="ssh",
                    help="ssh program (and options) for the ssh launcher (default: ssh)")
+    p.add_argument("--interface", metavar="NAME",
+                   help="every process listens on this network interface's IPv4 address "
+                        "(DMLC_INTERFACE and DMLC_NODE_HOST; the scheduler on its "
+                        "DMLC_PS_ROOT_URI): on this host and, with --launcher ssh, on "
+                        "each host's interface of that name. Default: DMLC_INTERFACE of "
+                        "this shell if set, else the address that reaches the scheduler: "
+                        "127.0.0.1 for a local job; for an ssh job this host's address "
+                        "towards the hostfile's hosts, and each host's hostfile address. "
+                        "Never all interfaces")
     p.add_argument("--host-ip", default="auto",
-                   help="scheduler address given to every process: 'auto' (default: the "
-                        "host's address, as MXNet's launcher), 'dns', or an address")
+                   help="scheduler address given to every process: 'auto' (default: see "
+                        "--interface), 'ip' (the host's address, as MXNet's launcher), "
+                        "'dns', or an address")
     p.add_argument("--port", type=int, default=0,
                    help="scheduler port (default: a free port, a new one at each attempt)")
     p.add_argument("--env", action="append", default=[], metavar="NAME[:VALUE]",
@@ -602,17 +785,26 @@ def print_plan(children):
         print("%s: %s\n    %s" % (c.name, shlex.join(c.argv), json.dumps(dmlc, sort_keys=True)))
 
 
-def run_attempt(args, root_uri, may_relaunch, first):
-    """Plan and run the job once, on a fresh scheduler port unless --port fixes it.
+def run_attempt(args, binding, may_relaunch, first):
+    """Plan and run the job once (where ``binding``, a Binding, says), on a fresh
+    scheduler port unless --port fixes it.
 
     Returns (job, exit code); job.race is set when MXNet's start-up race ended it.
     """
+    root_uri = binding.scheduler_uri
     root_port = args.port or procs.free_port()
-    job = Job(plan_children(args, root_uri, root_port), timeout=args.timeout,
-              grace=args.grace, shutdown_timeout=args.shutdown_timeout,
-              pid_file=args.pid_file, may_relaunch=may_relaunch)
-    job.log("scheduler at %s:%d; %d worker(s), %d server(s), %s launcher"
-            % (root_uri, root_port, args.num_workers, args.num_servers, args.launcher))
+    job = Job(plan_children(args, root_uri, root_port, binding=binding),
+              timeout=args.timeout, grace=args.grace,
+              shutdown_timeout=args.shutdown_timeout, pid_file=args.pid_file,
+              may_relaunch=may_relaunch)
+    where = binding.describe()
+    if args.launcher == "ssh":
+        where += "; remote processes on %s" % (
+            "their interface " + binding.remote_interface if binding.remote_interface
+            else "their hostfile addresses")
+    job.log("scheduler at %s:%d; %d worker(s), %d server(s), %s launcher; listening on %s"
+            % (root_uri, root_port, args.num_workers, args.num_servers, args.launcher,
+               where))
     if first and args.launcher == "ssh" and args.sync_dst_dir:
         sync_dirs(args, job.log)
     return job, job.run()
@@ -621,13 +813,17 @@ def run_attempt(args, root_uri, may_relaunch, first):
 def main(argv=None):
     """The launcher: run the job, again after MXNet's start-up race; the exit code."""
     args = parse_args(argv)
-    root_uri = procs.host_ip(args.host_ip)
+    try:
+        binding = job_binding(args, os.environ)
+    except BindError as err:        # before anything starts
+        build_parser().error(str(err))
     if args.dry_run:
-        print_plan(plan_children(args, root_uri, args.port or procs.free_port()))
+        print_plan(plan_children(args, binding.scheduler_uri,
+                                 args.port or procs.free_port(), binding=binding))
         return 0
     attempts = 1 if args.no_relaunch else 1 + MAX_RELAUNCHES
     for attempt in range(1, attempts + 1):
-        job, code = run_attempt(args, root_uri, attempt < attempts, attempt == 1)
+        job, code = run_attempt(args, binding, attempt < attempts, attempt == 1)
         if not job.race or attempt == attempts:
             return code
         job.log("MXNet's start-up race (%s): nothing had trained yet; relaunching "
