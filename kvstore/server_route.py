@@ -104,6 +104,13 @@ class ServerRoute:
         self._optimizer = optimizer
         state = pickle.dumps(optimizer)     # (MXNet's pickling drops param_dict)
         if state != self._sent or not self._keys.layouts_sent:
+            if self._sent is not None:
+                # The servers take the optimizer at once (a command answered by every
+                # server), while the last step's pushes are engine operations that may
+                # not have left yet: without this wait the new setting (a last,
+                # smaller batch's rescale_grad, say) would update the previous step's
+                # gradients too.
+                mx.nd.waitall()
             mults = {c.pskey: (float(self._params[i].lr_mult),
                                float(self._params[i].wd_mult))
                      for i, chunks in self._chunks.items() for c in chunks}

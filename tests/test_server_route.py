@@ -169,3 +169,29 @@ def test_server_runs_the_trainers_optimizer_with_multipliers_and_keeps_state():
                                        atol=1e-7, err_msg="step %d key %d" % (step, key))
     assert server.optimizer.num_update == 3         # counts went on across the new one
     assert sorted(server.optimizer_states) == [5, 9]
+
+
+def test_a_changed_optimizer_waits_for_the_last_steps_pushes(monkeypatch):
+    """The servers take a new optimizer at once (a command), while the last step's
+    pushes are engine operations that may not have left: the route waits for them
+    before it sends a changed setting (a last, smaller batch's rescale_grad), and
+    not when nothing changed."""
+    from mxhylo.kvstore import server_route
+
+    events = []
+
+    class Keys:
+        layouts_sent = True
+        state_keys = None
+
+        def send_route(self, route):
+            events.append(("sent", route.optimizer.rescale_grad))
+
+    monkeypatch.setattr(server_route.mx.nd, "waitall", lambda: events.append("waited"))
+    route = server_route.ServerRoute(Keys(), [])
+    optimizer = mx.optimizer.SGD(learning_rate=0.1, momentum=0.9, rescale_grad=1 / 32)
+    route.set_optimizer(optimizer)               # the first: no step before it
+    route.sync_optimizer(optimizer)              # unchanged: nothing sent, no wait
+    optimizer.rescale_grad = 1 / 2               # a last batch of 2
+    route.sync_optimizer(optimizer)
+    assert events == [("sent", 1 / 32), "waited", ("sent", 1 / 2)]
