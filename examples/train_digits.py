@@ -83,10 +83,10 @@ def main():
                       cost_model=stats.get("cost_model"),
                       plans={name: layer["policy"] for name, layer in stats["layers"].items()})
         log("worker %d: test accuracy %.4f; pushed %.2f MB and pulled %.2f MB where dense "
-            "float32 moves %.2f MB each way (push %.1fx less; compressed layers %.1fx)" % (
+            "float32 moves %.2f MB each way (push %s less; compressed layers %s)" % (
                 result["rank"], result["accuracy"], stats["bytes_pushed"] / 1e6,
-                stats["bytes_pulled"] / 1e6, stats["dense_bytes"] / 1e6, stats["ratio"],
-                stats["compressed_layers_ratio"]))
+                stats["bytes_pulled"] / 1e6, stats["dense_bytes"] / 1e6,
+                _times(stats["ratio"]), _times(stats["compressed_layers_ratio"])))
         for name, layer in sorted(stats["layers"].items()):
             log("  %-40s %-9s %8d -> %7d bytes/step, %.1f messages/step" % (
                 name, layer["policy"], layer["dense_bytes"] // layer["steps"],
@@ -101,6 +101,11 @@ def main():
     if args.json:
         with open(args.json.format(rank=result["rank"]), "w") as f:
             json.dump(report, f, indent=2)
+
+
+def _times(ratio):
+    """'12.3x', or '-' where nothing was pushed or no layer compressed (None)."""
+    return "-" if ratio is None else "%.1fx" % ratio
 
 
 if __name__ == "__main__":

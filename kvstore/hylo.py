@@ -252,6 +252,8 @@ class Hylo(KVStoreBase):
                 param = trainer._params[i]
                 self._servers.pushpull(i, param.list_grad(), out=param.list_data(),
                                        priority=-i)
+                self.traffic.record_dense(param.name, param.shape,
+                                          len(self._servers.pieces(i)))
             return
         grads = [trainer._params[i].list_grad() for i in keys]
         layers = [self._layer(k, g[0].shape) for k, g in zip(keys, grads)]

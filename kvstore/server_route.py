@@ -147,6 +147,11 @@ class ServerRoute:
             self._sent = None       # the new keys' multipliers go with the next send
             self._move(k, None, o, priority)
 
+    def pieces(self, key):
+        """Parameter ``key``'s pieces (kvstore.ps_keys Chunks of kind 'update'), one
+        parameter-server key each."""
+        return self._chunks[key]
+
     def pushpull(self, key, value, out=None, priority=0):
         """Push the gradients ``value`` of parameter ``key`` (one per device), and pull
         the weights the servers' optimizer made into ``out``."""

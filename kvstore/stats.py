@@ -43,6 +43,14 @@ class TrafficStats:
         for server, nbytes in (per_server or {}).items():
             self.per_server[server] = self.per_server.get(server, 0) + nbytes
 
+    def record_dense(self, name, shape, messages=1):
+        """Account one dense exchange of parameter ``name`` (``shape``) on the servers'
+        route: its float32 gradient pushed, its float32 weights pulled."""
+        size = 1
+        for n in shape:
+            size *= int(n)
+        self.record(_DenseLayer(name, tuple(shape), size), 4 * size, 4 * size, messages)
+
     def time(self, phase, since):
         """Add the seconds since ``since`` (time.perf_counter) to ``phase``; returns now."""
         now = time.perf_counter()
@@ -54,7 +62,7 @@ class TrafficStats:
         for name, e in self.layers.items():
             layers[name] = dict(e, bytes=e["bytes_pushed"],
                                 ratio=(e["dense_bytes"] / e["bytes_pushed"])
-                                if e["bytes_pushed"] else float("inf"))
+                                if e["bytes_pushed"] else None)
         steps = max((e["steps"] for e in self.layers.values()), default=0)
         pushed = sum(e["bytes_pushed"] for e in self.layers.values())
         dense = sum(e["dense_bytes"] for e in self.layers.values())
@@ -66,8 +74,9 @@ class TrafficStats:
             "bytes_pushed": pushed,
             "bytes_pulled": sum(e["bytes_pulled"] for e in self.layers.values()),
             "dense_bytes": dense,
-            "ratio": dense / pushed if pushed else float("inf"),
-            "compressed_layers_ratio": c_dense / c_pushed if c_pushed else float("inf"),
+            # (None: nothing pushed yet, or no layer compressed)
+            "ratio": dense / pushed if pushed else None,
+            "compressed_layers_ratio": c_dense / c_pushed if c_pushed else None,
             "messages": self.messages,
             "messages_per_step": self.messages / steps if steps else 0.0,
             "bytes_per_server": dict(self.per_server),
@@ -77,6 +86,15 @@ class TrafficStats:
             "timing": {k: v / steps for k, v in self.seconds.items()} if steps else {},
             "layers": layers,
         }
+
+
+class _DenseLayer:
+    """What ``TrafficStats.record`` reads of a layer's plan, for a gradient that travels
+    dense on the servers' route."""
+    strategy, k, rate = "none", None, None
+
+    def __init__(self, name, shape, size):
+        self.name, self.shape, self.size = name, shape, size
 
 
 def cost_model_stats(cost, decisions, layers, rechecks, split_elements):

@@ -361,6 +361,9 @@ def route(how):
             report["smaller_batch"] = "ok"
         except UserWarning as err:
             report["smaller_batch"] = str(err)
+        stats = kv.stats()
+        report["traffic"] = {k: stats[k] for k in ("steps", "bytes_pushed", "dense_bytes",
+                                                   "ratio")}
     np.savez(out.format(rank=rank) + ".npz", **arrays)
     json.dump(report, open(out.format(rank=rank), "w"))
 

@@ -408,6 +408,9 @@ def test_servers_route_equals_dist_sync_and_takes_a_new_learning_rate(tmp_path):
         assert (route["route"], route["reason"]) == ("servers", "server_update=True")
         assert report["save_states"] == "saved"
         assert report["smaller_batch"] == "ok"
+        # kv.stats() counts the route's dense steps: 3 + 2 + the smaller batch
+        assert report["traffic"]["steps"] == 6 and report["traffic"]["ratio"] == 1.0
+        assert report["traffic"]["bytes_pushed"] == report["traffic"]["dense_bytes"] > 0
         # the 1 179 648-element weight is cut over both servers, the rest whole
         assert sorted(len(p) for p in report["pieces"].values()) == [1] * 5 + [2]
         assert sorted(max(report["pieces"].values(), key=len)) == [0, 1]
