@@ -194,6 +194,10 @@ class Plan:
                            for i, (c, w) in enumerate(zip(r, widths))) + "  " + r[-1]
                  for r in rows]
         dense, pushed = self.dense_bytes, self.pushed_bytes
+        if self.route == "servers":
+            # (the rows stay: they are what the workers' route would send)
+            lines[:0] = ["on the servers' route every gradient travels dense, as dist_sync "
+                         "does; the codecs below apply on the workers' route", ""]
         lines += ["",
                   "dense bytes %d, pushed %d per worker per step: ratio %.3f (%d of %d "
                   "layers compressed)" % (dense, pushed, pushed / max(dense, 1),
