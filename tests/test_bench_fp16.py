@@ -1,9 +1,8 @@
-"""The float16 peers of bench comm and bench train: dist_sync_fp16 (MXNet's dist_sync
-moving float16 gradients, mxhylo.bench.fp16.DistSyncFP16Store) and horovod_fp16
-(hvd.DistributedTrainer with hvd.Compression.fp16).
+"""The dist_sync_fp16 peer's store (mxhylo.bench.modes.DistSyncFP16Store): MXNet's
+dist_sync moving float16 gradients, everything else float32.
 
-The store's real test is a job of 2 workers and 1 server (``python -m mxhylo.launch``, a
-free port, a timeout on the job) running this file as the workers' script:
+Its job test runs 2 workers and 1 server (``python -m mxhylo.launch``, a free port, a
+timeout on the job) with this file as the workers' script:
 
     python tests/test_bench_fp16.py DIR
 
@@ -53,7 +52,7 @@ def _worker(folder):
     import mxnet as mx          # a server or the scheduler serves inside this import
     from mxnet import autograd, gluon
 
-    from mxhylo.bench.fp16 import DistSyncFP16Store
+    from mxhylo.bench.modes import DistSyncFP16Store
 
     kv = DistSyncFP16Store()
     rank = kv.rank
@@ -120,34 +119,16 @@ def _worker(folder):
 
 # -- the tests ----------------------------------------------------------------------------
 
-def test_the_peers_are_registered_and_run_by_default():
-    from mxhylo.bench import comm, comm_worker, horovod_jobs, train, train_worker
-    for mode in ("dist_sync_fp16", "horovod_fp16"):
-        assert mode in train_worker.MODES and train_worker.MODES[mode].description
-        assert mode in comm_worker.MODES and comm_worker.describe(mode)
-        assert mode in comm.ALL_MODES                # bench comm's default --modes
-        assert comm.is_peer(mode)
-    assert "horovod_fp16" in horovod_jobs.HOROVOD_MODES
-    assert "dist_sync_fp16" not in horovod_jobs.HOROVOD_MODES
-    # bench train's default holds dist_sync (its Horovod peers are opt-in)
-    assert "dist_sync_fp16" in train.DEFAULT_MODES and "dist_sync" in train.DEFAULT_MODES
-    assert train_worker.HorovodFP16.compression == "fp16"
-    assert train_worker.HorovodDense.compression is None
-    assert comm_worker.HorovodFP16Mode.compression == "fp16"
-    assert comm_worker.HorovodDenseMode.compression is None
-
-
 def test_store_in_one_process_casts_and_keeps_float32():
     """The adapter over a local store (one worker: the sum is its own gradient): the
     output is the float16-rounded gradient in float32; a Trainer updates on the worker."""
     import mxnet as mx
     from mxnet import autograd, gluon
 
-    from mxhylo.bench.fp16 import HALF_KEY_OFFSET, DistSyncFP16Store
+    from mxhylo.bench.modes import DistSyncFP16Store
     kv = DistSyncFP16Store("local")
-    assert DistSyncFP16Store.half_key(3) == HALF_KEY_OFFSET + 3
     with pytest.raises(ValueError):
-        DistSyncFP16Store.half_key(HALF_KEY_OFFSET)
+        DistSyncFP16Store.half_key(DistSyncFP16Store.HALF_KEY_OFFSET)
     g = _values(0, 0, (50, 40))
     w = mx.nd.array(_values(0, -1, (50, 40)))
     out = mx.nd.zeros((50, 40))
@@ -211,6 +192,9 @@ def _fp16_sum(a, b):
     return (a.astype(np.float16) + b.astype(np.float16)).astype(np.float32)
 
 
+# default run: the store in one process (above), and over the servers under
+# gluon.Trainer in test_bench_train.py's run (its bytes, identical workers)
+@pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
 def test_every_worker_gets_the_sum_in_float16_and_stays_float32(tmp_path):
     _run_job(tmp_path)

@@ -1,134 +1,58 @@
-"""``python -m mxhylo.bench comm``: gradient exchange over MXNet's parameter server,
-each process in its own network namespace behind a shaped link.
+"""``python -m mxhylo.bench comm``: one step's gradient exchange per mode, in an emulated
+cluster.
 
-W workers, S servers and a scheduler each run in a network namespace whose one veth
-link to a bridge is shaped with tc tbf at --rate in both directions (see
-mxhylo.bench.netns). For every model (real parameter shapes from the gluoncv model zoo,
-one forward at --image-size) and every mode, a fresh parameter-server job exchanges one
-step's gradients --warmup + --steps times; the report gives per model and mode:
+The cluster is a single-machine stand-in (mxhylo.bench.netns): W workers, S servers and
+a scheduler, each in a network namespace behind a link shaped to --rate both ways,
+all on this machine's cores. For every model (its real parameter shapes: gluoncv's
+model zoo, one forward at --image-size) and mode (mxhylo.bench.modes), one job
+exchanges synthetic gradients, N(0, --grad-scale), as gluon.Trainer would: untimed
+exchanges until the store is past its start-up (hylo's dense warm-up), --warmup
+untimed ones, then --steps timed ones, the workers meeting at a barrier before each.
 
-* seconds per exchange: median over the timed steps of the slowest worker's time
-  (workers meet at a file barrier before each step; the warm-up is excluded);
-* bytes on the wire: /sys/class/net/eth0/statistics/{tx,rx}_bytes of every role's
-  interface, read before and after the timed steps: push = workers' tx, pull =
-  workers' rx, per step (L2 frames: payload plus TCP/IP/Ethernet headers);
-* hylo's own counters (kv.stats(): bytes pushed/pulled, per layer, timing if any);
-* the dense-pull floor, (dense model bytes * W / S) / rate: the time the servers'
-  links need to send every worker its pull of a dense model;
-* the speedup of each mode over dense_pushpull, and over the best peer of the run: the
-  fastest mode not named hylo* (what a user would run instead of mxhylo).
-
-Peers moving float16 (half the dense bytes; compute stays float32 in training):
-dist_sync_fp16 (MXNet's dist_sync with each gradient cast to float16 around the store's
-pushpull, mxhylo.bench.fp16.DistSyncFP16Store) and horovod_fp16 (horovod_dense's
-exchange with hvd.Compression.fp16).
-
-Horovod modes (horovod_dense: hvd.DistributedTrainer's exchange, per-gradient
-allreduce fused by Horovod; horovod_fp16: the same in float16; hylo_horovod:
-mxhylo.create('dist_sync_hylo', transport='horovod')) run W processes, one per worker
-namespace, with horovodrun's Gloo environment and no servers
-(mxhylo.bench.horovod_jobs); the same links, counters and report fields. Their floor
-is the ring's: 2 (W - 1) / W * dense bytes / rate.
-
-Gradients are synthetic, N(0, --grad-scale) with 0.01 by default: a realistic scale
-(N(0, 1) is the worst case of threshold codecs such as MXNet's 2-bit). Needs root
-(namespaces); says so and exits non-zero otherwise. Everything created (processes,
-namespaces) is removed at the end, on error and on SIGINT/SIGTERM/SIGHUP.
+Per model and mode the record gives the median over the timed exchanges of the
+slowest worker's seconds; the bytes on the wire per exchange from the interface
+counters (push = the workers' tx, pull = their rx; L2 frames, headers included);
+hylo's own counts (kv.stats()); the speedup over dist_sync, horovod_dense and the
+best peer of the run (the fastest mode not of the hylo store); the floors: the
+dense pull (dense bytes * W / S / rate) and the ring allreduce (2 (W - 1) / W * dense
+bytes / rate).
 """
-import datetime
-import importlib.util
 import json
 import math
 import os
-import platform
-import re
-import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
-from . import comm_worker, netns, plot_path, sweep
-from .horovod_jobs import HOROVOD_MODES, horovod_available
-from .jobs import JobError, _Interrupted, clean_env, run_job
+from . import jobs, netns, report
+from .modes import HEADLINE, MODES, describe, mode, parse_modes
 
-ALL_MODES = ("dense_pushpull", "dist_sync_fp16", "dense_push_pull", "mxnet_2bit", "hylo",
-             "hylo_gather", "hylo_auto") + HOROVOD_MODES
-HYLO_MODES = ("hylo", "hylo_gather", "hylo_auto")
+log = report.logger("comm")
 DEFAULT_MODELS = ("resnet50_v1b", "vgg16", "alexnet")
-BASELINE = "dense_pushpull"
-FLOAT_BYTES = 4
-PS_PORT = 9091
-WORKER = "mxhylo.bench.comm_worker"
-# ps-lite chatter in the counter window is tiny; codec CPU is the other bound on time:
-# per-job timeout = 120 s + (steps + warmup + 2) * (6 * floor + W * dense / 50 MB/s)
-_CPU_BYTES_PER_S = 50e6
+CPU_BYTES_PER_S = 50e6          # codec and copy bound used in the time limits
 
 
 def add_arguments(parser):
-    parser.add_argument("-n", "--workers", type=int, default=4, help="workers (default 4)")
-    parser.add_argument("-s", "--servers", type=int, default=2, help="servers (default 2)")
-    parser.add_argument("--rate", default="1gbit",
-                        help="tc tbf rate of every link, each direction (default 1gbit)")
-    parser.add_argument("--role-rate", default="",
-                        help="links of some roles at another rate than --rate, both "
-                             "ways: ROLE=RATE[,ROLE=RATE...], e.g. server1=250mbit (a "
-                             "server on a slower link)")
-    parser.add_argument("--delay", "--latency", dest="delay", default=None,
-                        help="one-way delay between nodes via netem, e.g. 1ms (default none;"
-                             " needs the kernel's netem qdisc)")
+    netns.add_arguments(parser)
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
                         help="comma-separated gluoncv model names (default %(default)s)")
-    parser.add_argument("--modes", default=",".join(ALL_MODES),
-                        help="comma-separated modes, of %s (default all; hylo is skipped "
-                             "with a note while mxhylo.kvstore.transport_ps is missing)"
-                             % ", ".join(ALL_MODES))
-    parser.add_argument("--steps", type=int, default=5,
-                        help="exchanges per model and mode, the warm-up included; the median "
-                             "of the others is reported (default 5: a median of 4 timed "
-                             "steps; hylo's exchanges vary by 20%% from step to step here)")
+    parser.add_argument("--modes", default=",".join(HEADLINE),
+                        help="comma-separated modes (default %(default)s) of: " + ", ".join(
+                            m for m in MODES if not MODES[m].batch_schedule))
+    parser.add_argument("--steps", type=int, default=4, help="timed exchanges (default 4)")
     parser.add_argument("--warmup", type=int, default=1,
-                        help="how many of the first exchanges are warm-up, not reported "
-                             "(default 1)")
+                        help="untimed exchanges after the store's start-up (default 1)")
     parser.add_argument("--grad-scale", type=float, default=0.01,
                         help="gradients are N(0, this) (default 0.01)")
     parser.add_argument("--image-size", type=int, default=224,
-                        help="input size of the forward that fixes the shapes (default 224)")
-    parser.add_argument("--mtu", type=int, default=1500, help="MTU of the links (default 1500)")
-    parser.add_argument("--timeout", type=float, default=None,
-                        help="seconds per job (model x mode) before it is killed (default: "
-                             "from the model size and rate)")
+                        help="input side of the forward that fixes the shapes (224)")
     parser.add_argument("--hylo-options", default="{}",
-                        help="JSON dict of options for mxhylo.create (default {})")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic arrays")
-    parser.add_argument("--plot", default=None,
-                        help="PNG plot (default: beside --json, same name with .png)")
-    parser.add_argument("--keep-tmp", action="store_true",
-                        help="keep the job directories (configs, logs, worker results)")
-    parser.add_argument("--cleanup-stale", action="store_true",
-                        help="first delete namespaces left by comm runs that were killed "
-                             "(mxhcomm<pid>-* whose pid is gone)")
+                        help="JSON object of mxhylo.create options for every hylo mode")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the gradients")
 
 
-# ----------------------------------------------------------------------------- pure parts
-
-def parse_list(text, allowed=None, what="item"):
-    items = [t.strip() for t in str(text).split(",") if t.strip()]
-    if not items:
-        raise ValueError("no %s given" % what)
-    if allowed is not None:
-        bad = [t for t in items if t not in allowed]
-        if bad:
-            raise ValueError("unknown %s %s (choose from %s)"
-                             % (what, ", ".join(bad), ", ".join(allowed)))
-    return items
-
-
-def parse_hylo_options(text):
-    """--hylo-options: a JSON object of mxhylo.create options; ValueError if not."""
+def hylo_options(text):
     try:
         options = json.loads(text)
     except ValueError as err:
@@ -139,600 +63,353 @@ def parse_hylo_options(text):
     return options
 
 
-def role_names(num_workers, num_servers):
-    """Roles in address order: scheduler, server0.., worker0.."""
-    return (["scheduler"] + ["server%d" % i for i in range(num_servers)]
-            + ["worker%d" % i for i in range(num_workers)])
+def parse_list(text, what):
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise ValueError("no %s given" % what)
+    return items
 
+
+# ----------------------------------------------------------------------------- shapes
 
 def block_shapes(net, image_size=224, channels=3):
-    """[{'key', 'name', 'shape'}] of the parameters a Trainer would exchange (grad_req
-    not 'null'), keyed by their index in collect_params() as gluon.Trainer keys them."""
+    """[{'key', 'name', 'shape'}] of the parameters a Trainer exchanges (grad_req not
+    'null'), keyed by their index in collect_params() as gluon.Trainer keys them."""
     import mxnet as mx
     net.initialize(mx.init.Zero(), force_reinit=False)
     net(mx.nd.zeros((1, channels, image_size, image_size)))
-    mx.nd.waitall()
-    out = []
-    for i, p in enumerate(net.collect_params().values()):
-        if p.grad_req != "null":
-            out.append({"key": i, "name": p.name, "shape": [int(d) for d in p.shape]})
-    return out
+    return [{"key": i, "name": p.name, "shape": [int(d) for d in p.shape]}
+            for i, p in enumerate(net.collect_params().values()) if p.grad_req != "null"]
 
 
 def model_shapes(name, image_size=224):
-    """Exchanged parameter shapes of gluoncv model ``name`` after one forward."""
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import gluoncv
-        net = gluoncv.model_zoo.get_model(name, pretrained=False)
-        return block_shapes(net, image_size)
+        return block_shapes(gluoncv.model_zoo.get_model(name, pretrained=False), image_size)
 
 
 def shapes_in_subprocess(models, image_size, timeout=600):
-    """{model: shapes} computed in a child python, so that the harness does not keep
-    the models' memory (MXNet's pool holds freed arrays) for the whole run."""
-    code = ("import json, sys; from mxhylo.bench.comm import model_shapes; "
+    """{model: shapes}, computed in a child python (MXNet's pool would keep the
+    models' memory in this process for the whole run)."""
+    code = ("import json; from mxhylo.bench.comm import model_shapes; "
             "print(json.dumps({m: model_shapes(m, %d) for m in %r}))" % (image_size,
                                                                         list(models)))
-    res = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, timeout=timeout,
-                         env=clean_env())
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=timeout, env=jobs.clean_env())
     if res.returncode != 0:
-        raise SystemExit("mxhylo.bench comm: could not get the model shapes:\n"
-                         + res.stderr[-3000:])
+        raise SystemExit("could not get the model shapes:\n" + res.stderr[-3000:])
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def numel(shape):
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
+    return int(math.prod(int(d) for d in shape))
 
 
-def model_summary(params, num_workers, num_servers, rate_bps):
+def model_summary(params, workers, servers, rate_bps):
+    """Sizes of a model and the floors of its exchange at ``rate_bps``."""
     sizes = [numel(p["shape"]) for p in params]
-    total = sum(sizes)
-    big = max(range(len(params)), key=lambda i: sizes[i])
-    dense_bytes = total * FLOAT_BYTES
-    return {"num_params": total, "num_keys": len(params), "dense_bytes": dense_bytes,
+    big = max(range(len(params)), key=sizes.__getitem__)
+    dense = 4 * sum(sizes)
+    return {"num_params": sum(sizes), "num_keys": len(params), "dense_bytes": dense,
             "largest_key": {"name": params[big]["name"], "shape": params[big]["shape"],
-                            "fraction": sizes[big] / total},
-            "dense_pull_floor_s": dense_pull_floor(dense_bytes, num_workers, num_servers,
-                                                   rate_bps),
-            "dense_push_floor_s": dense_bytes * 8.0 / rate_bps,   # 0 when unshaped
-            "ring_allreduce_floor_s": ring_allreduce_floor(dense_bytes, num_workers,
-                                                           rate_bps)}
+                            "fraction": sizes[big] / sum(sizes)},
+            "dense_pull_floor_s": dense_pull_floor(dense, workers, servers, rate_bps),
+            "ring_allreduce_floor_s": ring_allreduce_floor(dense, workers, rate_bps)}
 
 
-def ring_allreduce_floor(dense_bytes, num_workers, rate_bps):
-    """Seconds a ring allreduce of the dense model needs on links of ``rate_bps``: each
-    worker sends (and receives) 2 (W - 1) / W of the model over its own link."""
-    return 2.0 * (num_workers - 1) / num_workers * dense_bytes / (rate_bps / 8.0)
+def dense_pull_floor(dense_bytes, workers, servers, rate_bps):
+    """Seconds the servers' links need to send every worker the dense model."""
+    return dense_bytes * workers / float(servers) / (rate_bps / 8.0)
 
 
-def dense_pull_floor(dense_bytes, num_workers, num_servers, rate_bps):
-    """Seconds the servers' links need to send the dense pull: each server holds 1/S of
-    the model and sends it to W workers over one link of ``rate_bps``."""
-    return dense_bytes * num_workers / float(num_servers) / (rate_bps / 8.0)
+def ring_allreduce_floor(dense_bytes, workers, rate_bps):
+    """Seconds a ring allreduce of the dense model needs: each worker sends 2 (W-1)/W."""
+    return 2.0 * (workers - 1) / workers * dense_bytes / (rate_bps / 8.0)
 
 
-def step_seconds(worker_results):
-    """Per timed step: (slowest worker's own time, span from the first start to the
-    last finish) over all workers."""
-    n = min(len(r["steps"]) for r in worker_results)
-    slowest, span = [], []
-    for i in range(n):
-        steps = [r["steps"][i] for r in worker_results]
-        slowest.append(max(s["seconds"] for s in steps))
-        span.append(max(s["start"] + s["seconds"] for s in steps) - min(s["start"] for s in steps))
-    return slowest, span
+def job_timeout(summary, workers, exchanges):
+    """Start-up, a store's warm-up, then per exchange 6 dense-pull floors and the codecs'
+    CPU bound (unshaped links: the floor is 0)."""
+    return 120.0 + (exchanges + 40) * (6.0 * summary["dense_pull_floor_s"]
+                                       + workers * summary["dense_bytes"] / CPU_BYTES_PER_S)
 
 
-def wire_summary(before, after, steps):
-    """Bytes per step from counters {role: (tx, rx)} before/after ``steps`` exchanges."""
-    delta = {r: (after[r][0] - before[r][0], after[r][1] - before[r][1]) for r in before}
-    workers = [r for r in delta if r.startswith("worker")]
-    servers = [r for r in delta if r.startswith("server")]
-    per = float(max(steps, 1))
-    return {
-        "push_bytes_per_step": sum(delta[r][0] for r in workers) / per,
-        "pull_bytes_per_step": sum(delta[r][1] for r in workers) / per,
-        "server_tx_bytes_per_step": sum(delta[r][0] for r in servers) / per,
-        "server_rx_bytes_per_step": sum(delta[r][1] for r in servers) / per,
-        "per_role_per_step": {r: {"tx": d[0] / per, "rx": d[1] / per}
-                              for r, d in sorted(delta.items())},
-    }
+# ----------------------------------------------------------------------------- summaries
+
+def slowest(results, get):
+    """Per timed step: the largest ``get(step)`` over the workers."""
+    n = min(len(r["steps"]) for r in results)
+    return [max(get(r["steps"][i]) for r in results) for i in range(n)]
 
 
-def hylo_summary(worker_results, steps):
-    """hylo's own byte counts over the timed steps (summed over workers, per step), its
-    timing dict if it reports one, and worker 0's full stats."""
-    keys = ("bytes_pushed", "bytes_pulled", "dense_bytes")
+def wire_summary(before, after, exchanges):
+    """Bytes per exchange from the counters {role: (tx, rx)} around ``exchanges``."""
+    d = {r: (after[r][0] - before[r][0], after[r][1] - before[r][1]) for r in before}
+    per = float(max(exchanges, 1))
+
+    def total(prefix, i):
+        return sum(v[i] for r, v in d.items() if r.startswith(prefix)) / per
+    return {"push_bytes_per_step": total("worker", 0), "pull_bytes_per_step": total("worker", 1),
+            "server_tx_bytes_per_step": total("server", 0),
+            "server_rx_bytes_per_step": total("server", 1),
+            "per_role_per_step": {r: {"tx": v[0] / per, "rx": v[1] / per}
+                                  for r, v in sorted(d.items())}}
+
+
+def hylo_summary(results, exchanges):
+    """hylo's own counts over the timed window, summed over the workers, per exchange;
+    its seconds per phase per exchange, per worker; worker 0's whole stats."""
     out = {}
-    for k in keys:
-        vals = []
-        for r in worker_results:
-            a, b = (r.get("stats") or {}).get(k), (r.get("stats_before") or {}).get(k)
-            if isinstance(a, (int, float)):
-                vals.append(a - (b if isinstance(b, (int, float)) else 0))
-        if vals:
-            out[k + "_per_step"] = sum(vals) / float(max(steps, 1))
-    timings = [(r.get("stats") or {}).get("timing") for r in worker_results]
-    if any(t is not None for t in timings):
-        out["timing"] = timings
-    w0 = min(worker_results, key=lambda r: r["index"])
-    out["worker0_stats"] = w0.get("stats")
+    for k in ("bytes_pushed", "bytes_pulled", "dense_bytes"):
+        out[k + "_per_step"] = sum((r["stats"] or {}).get(k, 0)
+                                   - (r["stats_before"] or {}).get(k, 0)
+                                   for r in results) / float(max(exchanges, 1))
+    timing = []
+    for r in results:
+        a, b = r["stats"] or {}, r["stats_before"] or {}
+        sa, sb = a.get("steps") or 0, b.get("steps") or 0
+        if a.get("timing") and sa > sb:
+            timing.append({k: (v * sa - (b.get("timing") or {}).get(k, 0.0) * sb) / (sa - sb)
+                           for k, v in a["timing"].items()})
+    out["timing_per_step_s"] = timing or None
+    out["worker0_stats"] = results[0]["stats"]
     return out
 
 
-def summarise_job(worker_results, before, after, steps):
-    slowest, span = step_seconds(worker_results)
-    res = {"status": "ok", "seconds": statistics.median(slowest) if slowest else None,
-           "seconds_steps": slowest, "span_steps": span,
-           "warmup_seconds": [max(r["warmup"][i]["seconds"] for r in worker_results)
-                              for i in range(min(len(r["warmup"]) for r in worker_results))],
-           "init_seconds": max(r["init_s"] for r in worker_results)}
-    if all("timeline" in r for r in worker_results):
-        res["worker_timeline_max_s"] = {k: max(r["timeline"][k] for r in worker_results)
-                                        for k in worker_results[0]["timeline"]}
-    if before and after:
-        res["wire"] = wire_summary(before, after, steps)
-    if any(r.get("stats") is not None for r in worker_results):
-        res["hylo"] = hylo_summary(worker_results, steps)
+def summarise(results, counters, exchanges):
+    secs = slowest(results, lambda s: s["seconds"])
+    res = {"status": "ok", "seconds": statistics.median(secs), "seconds_steps": secs,
+           "warmup_seconds": [max(r["warmup"][i] for r in results)
+                              for i in range(min(len(r["warmup"]) for r in results))],
+           "init_s": max(r["init_s"] for r in results),
+           "startup_exchanges": max(r["startup_steps"] for r in results)}
+    if counters.get("start") and counters.get("end"):
+        res["wire"] = wire_summary(counters["start"], counters["end"], exchanges)
+    if any(r["stats"] is not None for r in results):
+        res["hylo"] = hylo_summary(results, exchanges)
     return res
-
-
-HOROVOD_BASELINE = "horovod_dense"
-
-
-def is_peer(mode):
-    """Whether ``mode`` is a peer: a way to train that a user would pick instead of
-    mxhylo (every mode not named hylo*)."""
-    return not mode.startswith("hylo")
-
-
-def best_peer(per_mode, key):
-    """(mode, value) of the peer with the smallest ``key`` (seconds) among the modes of
-    ``per_mode`` that ran, or (None, None)."""
-    ran = [(res[key], mode) for mode, res in per_mode.items()
-           if is_peer(mode) and res.get("status", "ok") == "ok" and res.get(key)]
-    if not ran:
-        return None, None
-    value, mode = min(ran)
-    return mode, value
-
-
-def add_speedups(results, floor_s):
-    """speedup = baseline seconds / mode seconds; also seconds / dense-pull floor;
-    speedup_vs_best_peer against the fastest peer of the same run (its name in
-    best_peer); and, when horovod_dense ran, speedup_vs_horovod_dense."""
-    base = results.get(BASELINE, {}).get("seconds")
-    hvd = results.get(HOROVOD_BASELINE, {}).get("seconds")
-    peer, peer_s = best_peer(results, "seconds")
-    for res in results.values():
-        if res.get("seconds"):
-            res["speedup_vs_" + BASELINE] = (base / res["seconds"]) if base else None
-            res["x_dense_pull_floor"] = res["seconds"] / floor_s if floor_s else None
-            res["best_peer"] = peer
-            res["speedup_vs_best_peer"] = (peer_s / res["seconds"]) if peer_s else None
-            if HOROVOD_BASELINE in results:
-                res["speedup_vs_" + HOROVOD_BASELINE] = (hvd / res["seconds"]) if hvd \
-                    else None
-    return results
-
-
-def job_timeout(summary, num_workers, steps, warmup):
-    # (unshaped links: the floor is 0 and the CPU term bounds the job)
-    rounds = steps + warmup + 2
-    return 120.0 + rounds * (6.0 * summary["dense_pull_floor_s"]
-                             + num_workers * summary["dense_bytes"] / _CPU_BYTES_PER_S)
-
-
-def _x(value):
-    return "%.2fx" % value if value else "-"
-
-
-def format_table(report):
-    """Per model and mode: seconds per exchange, speedup over dense_pushpull ('speedup')
-    and over the run's best peer ('vs peer'), bytes on the wire; then the best peer."""
-    lines = ["%-14s %-16s %9s %8s %8s %11s %11s %11s" % (
-        "model", "mode", "s/exch", "speedup", "vs peer", "push MB/st", "pull MB/st",
-        "hylo MB/st")]
-    for model, per_mode in report["results"].items():
-        floor = report["models"][model]["dense_pull_floor_s"]
-        for mode, res in per_mode.items():
-            if res.get("status") != "ok":
-                lines.append("%-14s %-16s %s" % (model, mode, res.get("status")))
-                continue
-            wire = res.get("wire", {})
-            hy = res.get("hylo", {})
-            hylo_mb = ((hy.get("bytes_pushed_per_step", 0) + hy.get("bytes_pulled_per_step", 0))
-                       / 1e6 if "bytes_pushed_per_step" in hy else None)
-            lines.append("%-14s %-16s %9.3f %8s %8s %11.1f %11.1f %11s" % (
-                model, mode, res["seconds"], _x(res.get("speedup_vs_" + BASELINE)),
-                _x(res.get("speedup_vs_best_peer")),
-                wire.get("push_bytes_per_step", 0) / 1e6,
-                wire.get("pull_bytes_per_step", 0) / 1e6,
-                "%.1f" % hylo_mb if hylo_mb is not None else "-"))
-        peer, peer_s = best_peer(per_mode, "seconds")
-        if peer:
-            vs = [(mode, res.get("speedup_vs_best_peer")) for mode, res in per_mode.items()
-                  if not is_peer(mode) and res.get("status") == "ok"]
-            lines.append("%-14s best peer (fastest non-hylo mode): %s, %.3f s/exch%s" % (
-                model, peer, peer_s, "; speedup vs it: " + ", ".join(
-                    "%s %s" % (mode, _x(x)) for mode, x in vs) if vs else ""))
-        vs = [(mode, res.get("speedup_vs_" + HOROVOD_BASELINE)) for mode, res in
-              per_mode.items() if mode != HOROVOD_BASELINE]
-        vs = [(mode, x) for mode, x in vs if x]
-        if vs:
-            lines.append("%-14s speedup vs %s: %s" % (model, HOROVOD_BASELINE, ", ".join(
-                "%s %.2fx" % v for v in vs)))
-        lines.append("%-14s %-16s %9.3f   (dense bytes * W / S / rate)" % (model,
-                                                                          "dense-pull floor",
-                                                                          floor))
-        ring = report["models"][model].get("ring_allreduce_floor_s")
-        if ring is not None and any(m in HOROVOD_MODES for m in per_mode):
-            lines.append("%-14s %-16s %9.3f   (2 (W - 1) / W * dense bytes / rate)" % (
-                model, "ring floor", ring))
-    return lines
-
-
-# ----------------------------------------------------------------------------- machine
-
-CPU_FEATURES = re.compile(r"avx512[a-z_0-9]*|avx2|f16c")
-
-
-def cpu_features(cpuinfo_text):
-    """Sorted distinct AVX2/AVX-512/F16C flags, as
-    ``grep -o 'avx512[a-z_0-9]*\\|avx2\\|f16c' /proc/cpuinfo | sort -u`` lists them."""
-    return sorted(set(CPU_FEATURES.findall(cpuinfo_text)))
-
-
-def machine_info():
-    """The machine a report was measured on: CPU model and features, and the ISA level
-    of hylo's operator build every process of the run loads (MXHYLO_ISA)."""
-    info = {"hostname": socket.gethostname(), "kernel": platform.release(),
-            "python": platform.python_version(), "cpus": os.cpu_count(),
-            "cpu_features": None,
-            "ops_isa": os.environ.get("MXHYLO_ISA", "").strip() or "native"}
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-        info["cpu_features"] = cpu_features(text)
-        for line in text.splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-        with open("/proc/meminfo") as f:
-            info["mem_gib"] = round(int(f.readline().split()[1]) / 2 ** 20, 1)
-    except OSError:
-        pass
-    try:
-        import mxnet
-        info["mxnet"] = mxnet.__version__
-    except ImportError:
-        pass
-    return info
-
-
-def hylo_available():
-    try:
-        return importlib.util.find_spec("mxhylo.kvstore.transport_ps") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-# ----------------------------------------------------------------------------- processes
-
-class ShapedRun:
-    """The namespaces and job folder of one benchmark run, torn down whatever happens.
-
-    ``with ShapedRun(topo, tmp, "comm", keep_tmp) as run:`` creates the namespaces,
-    turns SIGTERM/SIGHUP into an interruption, and on the way out (shielded from a
-    second signal) deletes the namespaces and, unless ``keep_tmp`` or ``run.failed``
-    (set by the body when a job failed), the job folder. A namespace error or an
-    interruption leaves as SystemExit with a message (130 when interrupted).
-    """
-
-    def __init__(self, topo, tmp, bench, keep_tmp=False):
-        self.topo, self.tmp, self.bench, self.keep_tmp = topo, tmp, bench, keep_tmp
-        self.failed = False
-
-    def __enter__(self):
-        def on_signal(signum, frame):
-            raise _Interrupted("signal %d" % signum)
-        self.old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
-        try:
-            self.topo.create()
-        except BaseException as err:
-            self.__exit__(type(err), err, None)
-            raise
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        try:
-            with _Shielded():
-                errors = self.topo.destroy()
-                if errors:
-                    _log("could not delete: %s" % "; ".join(errors))
-                if self.keep_tmp or self.failed:
-                    _log("job files kept in " + self.tmp)
-                else:
-                    shutil.rmtree(self.tmp, ignore_errors=True)
-        finally:
-            for s, h in self.old.items():
-                signal.signal(s, h)
-        if exc_type is not None and issubclass(exc_type, netns.NetnsError):
-            raise SystemExit("mxhylo.bench %s: network namespaces: %s" % (self.bench, exc))
-        if exc_type is not None and issubclass(exc_type, (_Interrupted, KeyboardInterrupt)):
-            _log("interrupted (%s): cleaning up" % (str(exc) or "SIGINT"))
-            raise SystemExit(130)
-        return False
-
-
-_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-class _Shielded:
-    """Cleanup that a second Ctrl-C (or SIGTERM/SIGHUP) cannot cut short: signals that
-    arrive meanwhile are held and raised when the block ends."""
-
-    def __enter__(self):
-        self.caught = []
-        self.old = {s: signal.signal(s, lambda signum, frame: self.caught.append(signum))
-                    for s in _SIGNALS}
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        for s, h in self.old.items():
-            signal.signal(s, h)
-        if self.caught and exc_type is None:
-            if self.caught[0] == signal.SIGINT:
-                raise KeyboardInterrupt
-            raise _Interrupted("signal %d" % self.caught[0])
-        return False
-
-
-# ----------------------------------------------------------------------------- plot
-
-def write_plot(report, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    models = list(report["results"])
-    modes = [m for m in report["config"]["modes"]]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
-    width = 0.8 / max(len(modes), 1)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for j, mode in enumerate(modes):
-        xs = [i + (j - (len(modes) - 1) / 2.0) * width for i in range(len(models))]
-        secs, push, pull = [], [], []
-        for m in models:
-            res = report["results"][m].get(mode, {})
-            ok = res.get("status") == "ok"
-            secs.append(res["seconds"] if ok else 0)
-            wire = res.get("wire", {}) if ok else {}
-            push.append(wire.get("push_bytes_per_step", 0) / 1e6)
-            pull.append(wire.get("pull_bytes_per_step", 0) / 1e6)
-        c = colors[j % len(colors)]
-        axes[0].bar(xs, secs, width, label=mode, color=c)
-        if not is_peer(mode):
-            for x, y, m in zip(xs, secs, models):
-                sp = report["results"][m].get(mode, {}).get("speedup_vs_best_peer")
-                if sp and y:
-                    axes[0].annotate("%.2fx" % sp, (x, y), ha="center", va="bottom",
-                                     fontsize=7, xytext=(0, 2), textcoords="offset points")
-        axes[1].bar(xs, push, width, color=c, label=mode + " push")
-        axes[1].bar(xs, pull, width, bottom=push, color=c, alpha=0.45, hatch="//",
-                    label=mode + " pull")
-    for i, m in enumerate(models):
-        floor = report["models"][m]["dense_pull_floor_s"]
-        axes[0].plot([i - 0.45, i + 0.45], [floor, floor], "k--", lw=1,
-                     label="dense-pull floor" if i == 0 else None)
-        ring = report["models"][m].get("ring_allreduce_floor_s")
-        if ring is not None and any(mode in HOROVOD_MODES for mode in modes):
-            axes[0].plot([i - 0.45, i + 0.45], [ring, ring], "k:", lw=1,
-                         label="ring-allreduce floor" if i == 0 else None)
-    cfg = report["config"]
-    for ax in axes:
-        ax.set_xticks(range(len(models)))
-        ax.set_xticklabels(models)
-    axes[0].set_ylabel("seconds per exchange (median); hylo labels: x best peer")
-    axes[0].legend(fontsize=8)
-    axes[1].set_ylabel("MB on the wire per step (workers' tx push + rx pull)")
-    axes[1].legend(fontsize=7, ncol=2)
-    fig.suptitle("comm: %d workers, %d servers, %s links, grads %s, %s, %s"
-                 % (cfg["workers"], cfg["servers"], cfg["rate"], cfg["gradients"],
-                    report["machine"].get("hostname", ""), report["date"][:10]), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------- run
 
-def _log(msg):
-    print("[comm] " + msg, file=sys.stderr, flush=True)
-
-
 def run(args):
-    """One report per rate of --rate (a comma-separated list); with several rates, a
-    sweep report holding them and each mode's speedup over dense against bandwidth."""
-    reason = netns.check_capable()
-    if reason:
-        raise SystemExit("mxhylo.bench comm: cannot create network namespaces: " + reason)
-    rates = parse_list(args.rate, what="rate")
+    """One record per rate of --rate; with several rates, a sweep record of them."""
     try:
+        rates = parse_list(args.rate, "rate")
         for rate in rates:
             netns.parse_rate(rate)
-        models = parse_list(args.models, what="model")
+        parse_modes(args.modes)
     except ValueError as err:
         raise SystemExit("mxhylo.bench comm: %s" % err)
-    if len(rates) == 1:
-        return run_rate(args, rates[0])
-    _log("model shapes (gluoncv, one forward at %d)..." % args.image_size)
-    shapes = shapes_in_subprocess(models, args.image_size)
-    plot = plot_path(args)
-    per_rate = {}
-    for rate in rates:
-        _log("=== rate %s ===" % rate)
-        per_rate[rate] = run_rate(args, rate, shapes=shapes, plot="")
-    report = sweep.sweep_report("comm", rates, per_rate, BASELINE, AUTO_MODE)
-    for line in sweep.format_sweep(report):
-        _log(line)
-    if plot:
-        sweep.write_sweep_plot(report, plot)
-        report["plot"] = plot
-        _log("plot: " + plot)
-    return report
-
-
-AUTO_MODE = "hylo_auto"          # mxhylo's defaults: the mode the sweep's bar is about
-
-
-def run_rate(args, rate, shapes=None, plot=None):
-    """The report of one rate (shapes: {model: params} already computed, or None)."""
     reason = netns.check_capable()
     if reason:
-        raise SystemExit("mxhylo.bench comm: cannot create network namespaces: " + reason)
+        raise SystemExit("mxhylo.bench comm: " + reason)
+    shapes = shapes_in_subprocess(parse_list(args.models, "model"), args.image_size)
+    if len(rates) == 1:
+        return run_rate(args, rates[0], shapes)
+    per_rate = {}
+    for rate in rates:
+        log("=== rate %s ===" % rate)
+        per_rate[rate] = run_rate(args, rate, shapes)
+    out = report.sweep("comm", rates, per_rate)
+    for line in out["table"]:
+        log(line)
+    return out
+
+
+def run_rate(args, rate, shapes):
     W, S = args.workers, args.servers
-    if W < 1 or S < 1:
-        raise SystemExit("mxhylo.bench comm: need at least one worker and one server")
     try:
-        rate_bps = netns.parse_rate(rate)
-        role_rates = netns.parse_role_rates(args.role_rate)
-        delay_s = netns.parse_time(args.delay) if args.delay else 0.0
-        models = parse_list(args.models, what="model")
-        modes = parse_list(args.modes, ALL_MODES, what="mode")
-        hylo_options = json.loads(args.hylo_options)
+        if W < 1 or S < 1 or args.steps < 1 or args.warmup < 0:
+            raise ValueError("need -n, -s and --steps >= 1, --warmup >= 0")
+        rate_bps, modes = netns.parse_rate(rate), parse_modes(args.modes)
+        bad = [m for m in modes if mode(m).batch_schedule]
+        if bad:
+            raise ValueError("%s train with a growing batch: bench train --tta only"
+                             % ", ".join(bad))
+        topo = netns.Topology(["scheduler"] + ["server%d" % i for i in range(S)]
+                              + ["worker%d" % i for i in range(W)], rate_bps,
+                              netns.parse_time(args.delay) if args.delay else 0.0,
+                              netns.parse_role_rates(args.role_rate))
+        options = hylo_options(args.hylo_options)
     except ValueError as err:
         raise SystemExit("mxhylo.bench comm: %s" % err)
-    timed_steps = args.steps - args.warmup
-    if args.warmup < 0 or timed_steps < 1:
-        raise SystemExit("mxhylo.bench comm: --steps must exceed --warmup (%d)" % args.warmup)
-    notes = []
-    skipped = {}
-    for mode in HYLO_MODES:
-        if mode in modes and not hylo_available():
-            skipped[mode] = "skipped: mxhylo.kvstore.transport_ps is not available in this build"
-            notes.append(mode + " mode " + skipped[mode])
-    for mode in HOROVOD_MODES:
-        if mode in modes and not horovod_available():
-            skipped[mode] = ("skipped: horovod.mxnet is not installed (make setup builds it "
-                             "with MXNet and Gloo)")
-            notes.append(mode + " mode " + skipped[mode])
-
-    if plot is None:
-        plot = plot_path(args)
-    if args.cleanup_stale:
-        for name in netns.stale_namespaces():
-            subprocess.run(["ip", "netns", "del", name], timeout=netns.CMD_TIMEOUT)
-            _log("removed stale namespace " + name)
-
-    if shapes is None:
-        _log("model shapes (gluoncv, one forward at %d)..." % args.image_size)
-        shapes = shapes_in_subprocess(models, args.image_size)
-    summaries = {}
-    for m in models:
-        summaries[m] = model_summary(shapes[m], W, S, rate_bps)
-        _log("  %s: %d keys, %.1f MB dense, dense-pull floor %.2f s" % (
-            m, summaries[m]["num_keys"], summaries[m]["dense_bytes"] / 1e6,
-            summaries[m]["dense_pull_floor_s"]))
-
-    report = {
-        "suite": "comm",
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "config": {"workers": W, "servers": S, "rate": rate,
-                   "rate_bps": None if math.isinf(rate_bps) else rate_bps,
-                   "delay": args.delay, "mtu": args.mtu, "role_rates": role_rates,
-                   "tbf_burst_bytes": netns.tbf_burst_bytes(rate_bps),
-                   "steps": args.steps, "warmup": args.warmup, "timed_steps": timed_steps,
-                   "gradients": "synthetic N(0, %g)" % args.grad_scale,
-                   "grad_scale": args.grad_scale, "image_size": args.image_size,
-                   "models": models, "modes": modes, "hylo_options": hylo_options,
-                   "seed": args.seed},
-        "mode_descriptions": {m: comm_worker.describe(m) for m in modes},
-        "models": summaries,
-        "notes": notes + [
-            "gradients are synthetic, drawn once per worker from N(0, %g) (a realistic "
-            "scale; N(0, 1) is the worst case for threshold codecs such as 2-bit)"
-            % args.grad_scale,
-            "seconds: median over %d timed exchanges (after %d warm-up) of the slowest "
-            "worker's time; workers meet at a file barrier before each exchange"
-            % (timed_steps, args.warmup),
-            "wire bytes: interface counters (L2 frames incl. TCP/IP/Ethernet headers) "
-            "read before/after the timed exchanges; push = workers' tx, pull = workers' rx",
-            "dense-pull floor = dense model bytes * W / S / rate",
-            "speedup_vs_best_peer: the fastest peer's seconds (the fastest mode not named "
-            "hylo* that ran for the model in this run, named in best_peer) over the mode's",
-            "every link shaped with tc tbf at the rate in both directions (star through a "
-            "bridge in a hub namespace)",
-            "%d processes (scheduler, %d servers, %d workers) share this machine's %s CPU "
-            "cores: at high rates the CPU, not the link, is the limit"
-            % (1 + S + W, S, W, os.cpu_count()),
-        ] + ([
-            "Horovod modes (%s): %d worker processes, one per worker namespace, with "
-            "horovodrun's Gloo environment (ring allreduce/allgather over the same shaped "
-            "links), no servers; Horovod's rendezvous server runs in the scheduler's "
-            "namespace and is used only at hvd.init; ring floor = 2 (W - 1) / W * dense "
-            "bytes / rate" % (", ".join(m for m in modes if m in HOROVOD_MODES), W)]
-            if any(m in HOROVOD_MODES for m in modes) else []),
-        "results": {},
-    }
-
-    try:
-        topo = netns.Topology(role_names(W, S), rate_bps, delay_s, mtu=args.mtu,
-                              role_rates=role_rates)
-    except ValueError as err:
-        raise SystemExit("mxhylo.bench comm: %s" % err)
-    tmp = tempfile.mkdtemp(prefix="mxhylo-comm-")
-    cfg = {"num_workers": W, "num_servers": S, "warmup": args.warmup, "steps": timed_steps,
-           "grad_scale": args.grad_scale, "seed": args.seed, "hylo_options": hylo_options}
-
-    with ShapedRun(topo, tmp, "comm", args.keep_tmp) as shaped:
-        _log("namespaces %s* up: %d roles, %s links" % (topo.prefix, len(topo.roles), rate))
-        port = PS_PORT
-        for m in models:
-            per_mode = report["results"][m] = {}
-            for mode in modes:
-                if mode in skipped:
-                    per_mode[mode] = {"status": skipped[mode]}
+    models = list(shapes)
+    summaries = {m: model_summary(shapes[m], W, S, rate_bps) for m in models}
+    out = report.new("comm", {
+        "workers": W, "servers": S, "rate": rate, "role_rates": args.role_rate,
+        "delay": args.delay, "tbf_burst_bytes": netns.tbf_burst_bytes(rate_bps),
+        "steps": args.steps, "warmup": args.warmup, "grad_scale": args.grad_scale,
+        "image_size": args.image_size, "models": models, "modes": modes,
+        "hylo_options": options, "seed": args.seed}, notes=[
+        "an emulated cluster: %d processes in network namespaces on one machine's %s "
+        "cores, links shaped with tc; at high rates the CPU, not the link, is the bound"
+        % (1 + S + W, os.cpu_count()),
+        "seconds: median over the timed exchanges of the slowest worker's, after the "
+        "store's start-up and the warm-up exchanges",
+        "wire bytes: interface counters per exchange; push = workers' tx, pull = rx"])
+    out["modes"] = describe(modes)
+    out["models"] = summaries
+    out["results"] = {}
+    with jobs.Run(topo, args.keep_tmp, log) as run_:
+        port = jobs.PS_PORT
+        for model in models:
+            per_mode = out["results"][model] = {}
+            for m in modes:
+                if mode(m).launch == "horovod" and not jobs.horovod_available():
+                    per_mode[m] = {"status": "skipped: horovod.mxnet is not installed"}
                     continue
-                timeout = args.timeout or job_timeout(summaries[m], W, timed_steps,
-                                                      args.warmup)
-                job_dir = os.path.join(tmp, "%s-%s" % (m, mode))
-                os.makedirs(job_dir)
-                _log("%s / %s (timeout %.0f s)..." % (m, mode, timeout))
+                timeout = args.timeout or job_timeout(summaries[model], W,
+                                                      args.steps + args.warmup)
+                log("%s / %s (time limit %.0f s)..." % (model, m, timeout))
                 t0 = time.monotonic()
-                config = dict(cfg, mode=mode, keys=[p["key"] for p in shapes[m]],
-                              shapes=[p["shape"] for p in shapes[m]])
+                cfg = {"task": "exchange", "mode": m, "workers": W, "servers": S,
+                       "keys": [p["key"] for p in shapes[model]],
+                       "shapes": [p["shape"] for p in shapes[model]],
+                       "steps": args.steps, "warmup": args.warmup, "seed": args.seed,
+                       "grad_scale": args.grad_scale, "hylo_options": options}
+                job_dir = os.path.join(run_.tmp, "%s-%s" % (model, m))
+                os.makedirs(job_dir)
                 try:
-                    results, counters, _ = run_job(
-                        topo, job_dir, config, port, timeout, WORKER, worker_threads=0,
-                        marks=("start", "end"),
-                        launcher="horovod" if mode in HOROVOD_MODES else "ps")
-                    per_mode[mode] = summarise_job(results, counters["start"],
-                                                   counters["end"], timed_steps)
-                    per_mode[mode]["job_seconds"] = time.monotonic() - t0
-                    _log("  %.3f s per exchange (job %.0f s)" % (per_mode[mode]["seconds"],
-                                                                 time.monotonic() - t0))
-                except JobError as err:
-                    shaped.failed = True
-                    per_mode[mode] = {"status": "failed: %s" % err,
-                                      "log_tail": err.log_tail}
-                    _log("  FAILED: %s" % err)
+                    results, counters, _ = jobs.run_job(cfg, job_dir, timeout, topo, port,
+                                                        worker_threads=0)
+                    r = per_mode[m] = summarise(results, counters, args.steps)
+                    r["job_seconds"] = time.monotonic() - t0
+                    log("  %.3f s per exchange (job %.0f s)" % (r["seconds"], r["job_seconds"]))
+                except jobs.JobError as err:
+                    run_.failed = True
+                    per_mode[m] = {"status": "failed: %s" % err, "log_tail": err.log_tail}
+                    log("  FAILED: %s" % err)
                 port += 1
-            add_speedups(per_mode, summaries[m]["dense_pull_floor_s"])
+            report.compare(per_mode, "seconds", ("dist_sync", "horovod_dense"))
+    out["table"] = table(out)
+    for line in out["table"]:
+        log(line)
+    return out
 
-    report["table"] = format_table(report)
-    for line in report["table"]:
-        _log(line)
-    if plot:
-        write_plot(report, plot)
-        report["plot"] = plot
-        _log("plot: " + plot)
-    return report
+
+def table(out):
+    lines = ["%-14s %-16s %9s %9s %8s %8s %10s %10s %10s" % (
+        "model", "mode", "s/exch", "vs dsync", "vs hvd", "vs peer", "push MB", "pull MB",
+        "hylo MB")]
+    for model, per_mode in out["results"].items():
+        for m, r in per_mode.items():
+            if r.get("status") != "ok":
+                lines.append("%-14s %-16s %s" % (model, m, r.get("status")))
+                continue
+            wire, hy = r.get("wire", {}), r.get("hylo", {})
+            lines.append("%-14s %-16s %9.3f %9s %8s %8s %10s %10s %10s" % (
+                model, m, r["seconds"], report.x(r.get("speedup_vs_dist_sync")),
+                report.x(r.get("speedup_vs_horovod_dense")),
+                report.x(r.get("speedup_vs_best_peer")),
+                report.mb(wire.get("push_bytes_per_step")),
+                report.mb(wire.get("pull_bytes_per_step")),
+                report.mb(hy["bytes_pushed_per_step"] + hy["bytes_pulled_per_step"])
+                if hy else "-"))
+        peer = next((r.get("best_peer") for r in per_mode.values() if r.get("best_peer")), None)
+        s = out["models"][model]
+        lines.append("%-14s best peer %s; floors: dense pull %.3f s, ring %.3f s" % (
+            model, peer, s["dense_pull_floor_s"], s["ring_allreduce_floor_s"]))
+    return lines
+
+
+def plot(out, path):
+    if out["suite"].endswith("_sweep"):
+        return report.plot_sweep(out, path)
+    plt = report.pyplot()
+    models, modes = list(out["results"]), out["config"]["modes"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    width = 0.8 / len(modes)
+    for j, m in enumerate(modes):
+        xs = [i + (j - (len(modes) - 1) / 2.0) * width for i in range(len(models))]
+        rs = [out["results"][model].get(m, {}) for model in models]
+        secs = [r.get("seconds") or 0 for r in rs]
+        push = [r.get("wire", {}).get("push_bytes_per_step", 0) / 1e6 for r in rs]
+        pull = [r.get("wire", {}).get("pull_bytes_per_step", 0) / 1e6 for r in rs]
+        bars = axes[0].bar(xs, secs, width, label=m)
+        for x_, y, r in zip(xs, secs, rs):
+            if not mode(m).peer and r.get("speedup_vs_best_peer"):
+                axes[0].annotate(report.x(r["speedup_vs_best_peer"]), (x_, y), ha="center",
+                                 va="bottom", fontsize=7)
+        color = bars.patches[0].get_facecolor()
+        axes[1].bar(xs, push, width, color=color, label=m + " push")
+        axes[1].bar(xs, pull, width, bottom=push, color=color, alpha=0.45, hatch="//")
+    for i, model in enumerate(models):
+        for key, style in (("dense_pull_floor_s", "k--"), ("ring_allreduce_floor_s", "k:")):
+            axes[0].plot([i - 0.45, i + 0.45], [out["models"][model][key]] * 2, style, lw=1,
+                         label=key.replace("_s", "").replace("_", " ") if i == 0 else None)
+    for ax in axes:
+        ax.set_xticks(range(len(models)))
+        ax.set_xticklabels(models)
+    axes[0].set_ylabel("seconds per exchange (median); labels: x the best peer")
+    axes[1].set_ylabel("MB per exchange on the wire (push; hatched: pull)")
+    axes[0].legend(fontsize=7)
+    axes[1].legend(fontsize=7)
+    cfg = out["config"]
+    report.save(fig, path, report.caption(out, "comm: %d workers, %d servers, %s links "
+                                          "(emulated on one machine)" % (
+                                              cfg["workers"], cfg["servers"], cfg["rate"])))
+
+
+# ----------------------------------------------------------------------------- worker
+
+POOL = (1 << 20) + 7      # odd: the tiles do not line up with power-of-two dimensions
+
+
+def synthetic_gradients(shapes, scale, seed, pool=POOL):
+    """N(0, scale) float32 arrays: a pool of ~1M normal draws tiled from a random offset
+    per array (drawing every element of vgg16 on every worker took 18 s of CPU)."""
+    import mxnet as mx
+    import numpy as np
+    rng = np.random.RandomState(seed)
+    values = rng.normal(0.0, scale, size=pool).astype(np.float32)
+    twice = np.concatenate([values, values])
+    out = []
+    for shape in shapes:
+        n, start = numel(shape), int(rng.randint(pool))
+        flat = twice[start:start + n] if n <= pool else np.resize(np.roll(values, -start), n)
+        out.append(mx.nd.array(flat.reshape(shape), dtype=np.float32))
+    return out
+
+
+def exchange_worker(cfg):
+    import mxnet as mx
+    from .modes import make_store
+    from .worker import MAX_STARTUP_STEPS, FileSync, stats, steady
+    kv, _ = make_store(cfg["mode"], cfg["hylo_options"])
+    rank = kv.rank
+    keys, shapes = [int(k) for k in cfg["keys"]], [tuple(s) for s in cfg["shapes"]]
+    grads = synthetic_gradients(shapes, float(cfg["grad_scale"]), cfg["seed"] * 1000 + rank)
+    params, outs = [mx.nd.full(s, 0.01) for s in shapes], [mx.nd.zeros(s) for s in shapes]
+    sync = FileSync(cfg, rank)
+    t0 = time.perf_counter()
+    kv.broadcast(keys, params, out=params)
+    mx.nd.waitall()
+    init_s = time.perf_counter() - t0
+    if mode(cfg["mode"]).store == "hylo":       # the whole step in one call, as a Trainer
+        def exchange():
+            kv.pushpull(keys, grads, out=outs)
+    else:                                       # one call per key, as a Trainer
+        def exchange():
+            for k, g, o in zip(keys, grads, outs):
+                kv.pushpull(k, g, out=o, priority=-k)
+
+    def step():
+        sync.barrier()
+        start = time.perf_counter()
+        exchange()
+        mx.nd.waitall()
+        return time.perf_counter() - start
+    startup = 0
+    while not steady(kv) and startup < MAX_STARTUP_STEPS:
+        step()
+        startup += 1
+    warm = [step() for _ in range(cfg["warmup"])]
+    before = stats(kv)
+    sync.mark("start")
+    timed = [{"seconds": step()} for _ in range(cfg["steps"])]
+    sync.mark("end")
+    return {"rank": rank, "init_s": init_s, "startup_steps": startup, "warmup": warm,
+            "steps": timed, "stats_before": before, "stats": stats(kv)}

@@ -28,6 +28,8 @@ import time
 
 import numpy as np
 
+from . import report
+
 
 def add_arguments(parser):
     parser.add_argument("--size", type=int, default=224, help="image side in pixels (default 224)")
@@ -229,17 +231,16 @@ def run(args):
                         [r["wait_fraction"] for r in rows_])), 4),
                     "runs": rows_}
 
-        return {
-            "suite": "io",
+        out = report.new("io", report.options(args))
+        out.update({
             "setup": {
                 "images_per_epoch": n_images, "image_size": size, "data_shape": list(shape),
                 "batch_size": bs, "epochs_per_wait_measurement": args.epochs,
                 "throughput_repeats": args.repeats,
                 "encoding": "jpg q95 (grey digits, decoded as 3-channel)",
                 "prefetch": args.prefetch, "preprocess_threads": args.threads,
-                "cores": os.cpu_count(), "loadavg_1min_at_end": round(os.getloadavg()[0], 2),
                 "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
-                "im2rec_pack_s": round(pack_s, 2), "mxnet": mx.__version__,
+                "im2rec_pack_s": round(pack_s, 2),
             },
             "decode_images_per_s": thr,
             "decode_ms_per_batch": round(decode_ms, 2),
@@ -257,7 +258,8 @@ def run(args):
                             "their_wait_fractions": qualifying,
                             "under_5_percent": sum(w < 0.05 for w in qualifying)},
             "target_met": bool(np.median(qualifying) < 0.05) if qualifying else None,
-        }
+        })
+        return out
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -1,25 +1,39 @@
-"""Parameter-server jobs in network namespaces, for the benchmarks (bench comm, bench
-train): mxhylo.launch's own process handling (procs.Child, launch.Job: process groups,
-a time limit, teardown, signals), started with ``ip netns exec`` per role, plus the
-interface-counter marks the workers ask for around their timed steps."""
+"""The benchmarks' one job runner.
+
+A job is a parameter-server job (scheduler, servers, workers) or a Horovod job (W
+processes with horovodrun's Gloo environment, no servers), as the mode says
+(mxhylo.bench.modes). Every worker runs ``python -m mxhylo.bench.worker CONFIG`` and
+writes JOB_DIR/result-RANK.json. A job has a time limit, and nothing of it outlives it
+(process groups, SIGTERM then SIGKILL, the children die with the harness).
+
+Where it runs:
+
+* in the emulated cluster (a netns.Topology): each process in its role's namespace,
+  run by mxhylo.launch's Job, which here also answers the workers' requests (marks) to
+  read every role's interface counters and CPU seconds around their timed steps. For
+  Horovod, each worker gets the variables horovodrun's Gloo mode would give it
+  (:func:`slot_env`, :func:`run_env`) and horovodrun's own rendezvous server runs in
+  the scheduler's namespace (rendezvous.py);
+* on this machine (no topology): ``python -m mxhylo.launch`` or ``horovodrun``, or
+  with no servers one process and no job.
+"""
+import collections
+import contextlib
 import json
 import os
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
 
-from . import horovod_jobs, netns
+from . import netns, rendezvous
+from .modes import mode
 from .. import launch, procs
 
-
-def clean_env():
-    """This process's environment without DMLC_*/PS_* (an inherited DMLC_ROLE would make
-    a child a parameter-server node; the harness sets each role's own)."""
-    return {k: v for k, v in os.environ.items()
-            if not (k.startswith("DMLC_") or k.startswith("PS_"))}
-
-
-class _Interrupted(BaseException):
-    """SIGTERM or SIGHUP reached the benchmark: clean up and leave (exit 130)."""
+PS_PORT = 9091                 # inside the namespaces, which only this run uses
+RENDEZVOUS_PORT_OFFSET = 1000
+GLOO_TIMEOUT_S = 300
 
 
 class JobError(RuntimeError):
@@ -28,97 +42,147 @@ class JobError(RuntimeError):
         self.log_tail = log_tail
 
 
+class Interrupted(BaseException):
+    """SIGTERM or SIGHUP reached the benchmark: clean up and leave (exit 130)."""
+
+
+def horovod_available():
+    """Whether horovod.mxnet is built here (without importing it)."""
+    import importlib.util
+    try:
+        return importlib.util.find_spec("horovod.mxnet.mpi_lib") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def clean_env(environ=None):
+    """The environment without DMLC_*, PS_* and HOROVOD_* (a child must get only its own
+    role's), Python unbuffered."""
+    env = os.environ if environ is None else environ
+    out = {k: v for k, v in env.items() if not k.startswith(("DMLC_", "PS_", "HOROVOD_"))}
+    out["PYTHONUNBUFFERED"] = "1"
+    return out
+
+
+def slot_env(rank, hosts):
+    """horovodrun's per-process variables (gloo_run.create_slot_env_vars) of ``rank``,
+    ``hosts`` naming each rank's host: a host's ranks are consecutive, the local rank
+    counts them within the host, the cross rank the hosts having that local rank."""
+    if not 0 <= rank < len(hosts):
+        raise ValueError("rank %d out of range for %d processes" % (rank, len(hosts)))
+    order = list(collections.OrderedDict.fromkeys(hosts))
+    for h in order:
+        idx = [i for i, x in enumerate(hosts) if x == h]
+        if idx != list(range(idx[0], idx[0] + len(idx))):
+            raise ValueError("the processes of host %s must have consecutive ranks" % h)
+    host = hosts[rank]
+    local = hosts[:rank].count(host)
+    cross = [h for h in order if hosts.count(h) > local]
+    return {"HOROVOD_HOSTNAME": host, "HOROVOD_RANK": str(rank),
+            "HOROVOD_SIZE": str(len(hosts)), "HOROVOD_LOCAL_RANK": str(local),
+            "HOROVOD_LOCAL_SIZE": str(hosts.count(host)),
+            "HOROVOD_CROSS_RANK": str(cross.index(host)), "HOROVOD_CROSS_SIZE": str(len(cross))}
+
+
+def run_env(addr, port, iface=netns.DEV, timeout_s=GLOO_TIMEOUT_S):
+    """horovodrun --gloo's job-wide variables (gloo_run.create_run_env_vars)."""
+    return {"HOROVOD_GLOO_RENDEZVOUS_ADDR": str(addr),
+            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(int(port)), "HOROVOD_CONTROLLER": "gloo",
+            "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": iface,
+            "HOROVOD_GLOO_TIMEOUT_SECONDS": str(int(timeout_s))}
+
+
 def group_cpu_seconds(pgid):
-    """CPU seconds (user + system, every thread) used so far by the live processes of
-    process group ``pgid`` (a job's child leads its own group), from /proc; 10 ms steps
-    (the kernel's clock ticks)."""
-    tick = float(os.sysconf("SC_CLK_TCK"))
+    """CPU seconds (user + system) used so far by the live processes of group ``pgid``."""
     total = 0
-    for pid in [pgid] + [p for p in procs.group_members(pgid) if p != pgid]:
+    for pid in set([pgid] + procs.group_members(pgid)):
         try:
             with open("/proc/%d/stat" % pid, "rb") as f:
                 data = f.read().decode("ascii", "replace")
         except OSError:
             continue
         fields = data[data.rindex(")") + 2:].split()
-        total += int(fields[11]) + int(fields[12])      # utime, stime
-    return total / tick
+        total += int(fields[11]) + int(fields[12])
+    return total / float(os.sysconf("SC_CLK_TCK"))
 
 
 class NetnsJob(launch.Job):
-    """mxhylo.launch's Job (process groups, time limit, teardown, signals) that also
-    answers the workers' counter marks (``mark-NAME`` files in ``sync_dir``): it reads
-    every role's interface counters and the CPU seconds of every role's processes
-    (``cpu[NAME]``: child name -> seconds), and acknowledges with ``mark-NAME.ack``."""
+    """mxhylo.launch's Job that also answers the workers' marks (``mark-NAME`` files in
+    ``sync_dir``): it reads every role's interface counters into ``counters[NAME]`` and
+    every child's CPU seconds into ``cpu[NAME]``, then writes ``mark-NAME.ack``."""
 
     def __init__(self, children, topo, sync_dir, **kwargs):
         super().__init__(children, **kwargs)
         self.topo, self.sync_dir = topo, sync_dir
-        self.counters, self.counter_errors, self.cpu = {}, [], {}
+        self.counters, self.cpu, self.errors = {}, {}, []
 
-    def _serve_marks(self):
-        try:
-            names = os.listdir(self.sync_dir)
-        except OSError:
-            return
-        for name in names:
-            if not name.startswith("mark-") or name.endswith((".ack", ".tmp")):
-                continue
+    def serve_marks(self):
+        for name in os.listdir(self.sync_dir):
             mark = name[len("mark-"):]
-            if mark in self.counters:
+            if not name.startswith("mark-") or name.endswith((".ack", ".tmp")) \
+                    or mark in self.counters:
                 continue
-            self.cpu[mark] = {c.name: group_cpu_seconds(c.pid)
-                              for c in self.children if c.pid is not None}
+            self.cpu[mark] = {c.name: group_cpu_seconds(c.pid) for c in self.children
+                              if c.pid is not None}
             try:
                 self.counters[mark] = self.topo.all_counters()
             except (netns.NetnsError, ValueError) as err:
                 self.counters[mark] = None
-                self.counter_errors.append("%s: %s" % (mark, err))
+                self.errors.append("%s: %s" % (mark, err))
             open(os.path.join(self.sync_dir, name + ".ack"), "w").close()
 
     def _check(self):
-        self._serve_marks()
+        self.serve_marks()
         return super()._check()
 
 
-def job_children(topo, num_workers, num_servers, port, config_path, job_dir, worker_module,
-                 worker_threads=1, python=None):
-    """procs.Child objects of one job: ``ip netns exec NS python ...`` per role, with the
-    DMLC_* variables of mxhylo.launch's role_env (each node's own DMLC_NODE_HOST, as
-    for a remote host) and its server defaults (one OpenMP thread). Workers run
-    ``python -m WORKER_MODULE --config C --index I --out O``; worker_threads: their
-    OMP_NUM_THREADS (0: not set)."""
-    python = python or sys.executable
+def children(topo, cfg, config_path, port, worker_threads=1):
+    """procs.Child objects of one job in the emulated cluster: ``ip netns exec NS ...``
+    per role, with the variables mxhylo.launch gives a remote node."""
+    W, S = cfg["workers"], cfg["servers"]
     base = clean_env()
-    base["PYTHONUNBUFFERED"] = "1"
+    worker = [sys.executable, "-m", "mxhylo.bench.worker", config_path]
+    threads = {"OMP_NUM_THREADS": str(worker_threads)} if worker_threads else {}
     sched = topo.addr("scheduler")
-    children = []
+    if cfg["launch"] == "horovod":
+        hosts = [topo.addr("worker%d" % i) for i in range(W)]
+        rport = port + RENDEZVOUS_PORT_OFFSET
+        server = [sys.executable, "-I", rendezvous.__file__, str(rport), ",".join(hosts),
+                  cfg["rendezvous_ready"]] + [result_path(cfg, i) for i in range(W)]
+        out = [procs.Child("rendezvous", "scheduler", topo.exec_prefix("scheduler") + server,
+                           base)]
+        for i in range(W):
+            env = dict(base, **run_env(sched, rport, timeout_s=min(cfg["timeout"],
+                                                                    GLOO_TIMEOUT_S)))
+            env.update(slot_env(i, hosts), **threads)
+            # its own UTS namespace: the worker takes its address as host name (worker.py)
+            out.append(procs.Child("worker %d" % i, "worker", topo.exec_prefix(
+                "worker%d" % i) + ["unshare", "--uts", "--"] + worker, env))
+        return out
+    out = []
     for role in topo.roles:
-        kind = "scheduler" if role == "scheduler" else role.rstrip("0123456789")
+        kind = role.rstrip("0123456789")
         env = dict(base)
         if kind == "scheduler":
-            env.update(launch.role_env("scheduler", num_workers, num_servers, sched, port))
-            env["DMLC_NODE_HOST"] = sched
+            env.update(launch.role_env(kind, W, S, sched, port), DMLC_NODE_HOST=sched)
         else:
-            env.update(launch.role_env(kind, num_workers, num_servers, sched, port, "ssh",
+            env.update(launch.role_env(kind, W, S, sched, port, "ssh",
                                        node_host=topo.addr(role)))
         if kind == "server":
             env.update(launch.server_defaults(base))
         if kind == "worker":
-            if worker_threads:
-                env["OMP_NUM_THREADS"] = str(worker_threads)
-            index = int(role[len("worker"):])
-            program = [python, "-m", worker_module, "--config", config_path,
-                       "--index", str(index), "--out", os.path.join(job_dir, role + ".json")]
-            name = "worker %d" % index
-        else:
-            program = [python, "-c", "import mxnet"]
-            name = kind if kind == "scheduler" else "server %s" % role[len("server"):]
-        children.append(procs.Child(name, kind, topo.exec_prefix(role) + program, env))
-    return children
+            env.update(threads)
+        program = worker if kind == "worker" else [sys.executable, "-c", "import mxnet"]
+        name = kind if kind == "scheduler" else "%s %s" % (kind, role[len(kind):])
+        out.append(procs.Child(name, kind, topo.exec_prefix(role) + program, env))
+    return out
 
 
-def _tail(path, n=3000):
+def result_path(cfg, rank):
+    return os.path.join(cfg["job_dir"], "result-%d.json" % rank)
+
+
+def tail(path, n=3000):
     try:
         with open(path, "rb") as f:
             f.seek(max(0, os.path.getsize(path) - n))
@@ -127,62 +191,145 @@ def _tail(path, n=3000):
         return ""
 
 
-def run_job(topo, job_dir, config, port, timeout, worker_module, worker_threads=1,
-            marks=(), launcher="ps"):
-    """One job of ``worker_module`` workers (their settings in ``config``, written to
-    JOB_DIR/config.json); returns (worker results, {mark: interface counters},
-    {mark: {child name ('worker 0', 'server 1', ...): CPU seconds at the mark}}).
-    ``marks``: counter marks every run must have asked for. ``launcher``: 'ps' (a
-    parameter-server job: scheduler, servers, workers) or 'horovod' (W workers with
-    horovodrun's Gloo environment and a rendezvous server, no servers:
-    mxhylo.bench.horovod_jobs); the workers find 'rendezvous_ready' in the config then."""
-    W, S = config["num_workers"], config["num_servers"]
-    sync_dir = os.path.join(job_dir, "sync")
-    os.makedirs(sync_dir)
-    config = dict(config, sync_dir=sync_dir, barrier_timeout=timeout, launcher=launcher)
-    if launcher == "horovod":
-        config["rendezvous_ready"] = os.path.join(job_dir, horovod_jobs.READY_FILE)
-    elif launcher != "ps":
-        raise ValueError("launcher must be 'ps' or 'horovod', got %r" % (launcher,))
+def local_command(cfg, config_path, worker_threads=1):
+    """The command of a job on this machine: the user's launchers (python -m
+    mxhylo.launch, horovodrun), or with no servers one process."""
+    worker = [sys.executable, "-m", "mxhylo.bench.worker", config_path]
+    W, S = str(cfg["workers"]), str(cfg["servers"])
+    if cfg["launch"] == "horovod":
+        horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+        return [horovodrun if os.path.exists(horovodrun) else "horovodrun", "--gloo",
+                "-np", W, "-H", "localhost:" + W] + worker
+    if cfg["servers"] == 0:
+        return worker
+    return [sys.executable, "-m", "mxhylo.launch", "-n", W, "-s", S, "--timeout",
+            str(cfg["timeout"]), "--env", "OMP_NUM_THREADS:%d" % worker_threads] + worker
+
+
+def run_local(cmd, timeout, log_path, env):
+    """Runs ``cmd`` in a process group of its own that dies with the harness; stops the
+    group after ``timeout``; returns its exit code (124 on timeout)."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, preexec_fn=procs.die_with_parent())
+        try:
+            return proc.wait(timeout=timeout + 60)
+        except subprocess.TimeoutExpired:
+            log.write("the job ran past its time limit of %.0f s\n" % timeout)
+            return 124
+        finally:
+            if proc.poll() is None or procs.group_members(proc.pid):
+                for sig in (signal.SIGTERM, signal.SIGKILL):
+                    try:
+                        os.killpg(proc.pid, sig)
+                    except OSError:
+                        break
+                    try:
+                        proc.wait(timeout=5)
+                    except subprocess.TimeoutExpired:
+                        pass
+
+
+def run_job(cfg, job_dir, timeout, topo=None, port=PS_PORT, worker_threads=1):
+    """One job of ``cfg`` (task, mode, workers, servers and the task's settings), in
+    ``topo`` or on this machine. Returns (worker results by rank, {mark: {role: (tx,
+    rx)}}, {mark: {child: CPU seconds}}); JobError when it failed."""
+    cfg = dict(cfg, job_dir=job_dir, sync_dir=os.path.join(job_dir, "sync"),
+               timeout=timeout, launch=mode(cfg["mode"]).launch, marks=topo is not None)
+    if topo is not None and cfg["launch"] == "horovod":
+        cfg["rendezvous_ready"] = os.path.join(job_dir, "rendezvous.ready")
+    os.makedirs(cfg["sync_dir"])
     config_path = os.path.join(job_dir, "config.json")
     with open(config_path, "w") as f:
-        json.dump(config, f)
-    if launcher == "horovod":
-        children = horovod_jobs.job_children(
-            topo, W, port, config_path, job_dir, worker_module, worker_threads,
-            gloo_timeout_s=max(60, min(int(timeout), horovod_jobs.GLOO_TIMEOUT_S)))
-    else:
-        children = job_children(topo, W, S, port, config_path, job_dir, worker_module,
-                                worker_threads)
+        json.dump(cfg, f)
     log_path = os.path.join(job_dir, "job.log")
-    with open(log_path, "w") as log:
-        job = NetnsJob(children, topo, sync_dir, timeout=timeout, grace=5.0,
-                       shutdown_timeout=30.0, out=log, err=log)
-        code = job.run()
-    if job.stop_signal is not None:
-        if job.stop_signal == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise _Interrupted("signal %d" % job.stop_signal)
+    counters, cpu, errors = {}, {}, []
+    if topo is None:
+        env = dict(clean_env(), OMP_NUM_THREADS=str(worker_threads))
+        code = run_local(local_command(cfg, config_path, worker_threads), timeout,
+                         log_path, env)
+    else:
+        with open(log_path, "w") as log:
+            job = NetnsJob(children(topo, cfg, config_path, port, worker_threads), topo,
+                           cfg["sync_dir"], timeout=timeout, grace=5.0,
+                           shutdown_timeout=30.0, out=log, err=log)
+            code = job.run()
+        if job.stop_signal is not None:
+            raise KeyboardInterrupt if job.stop_signal == signal.SIGINT else Interrupted()
+        counters, cpu, errors = job.counters, job.cpu, job.errors
     if code != 0:
-        tail = _tail(log_path)
-        reason = [l for l in tail.splitlines() if "job FAILED" in l]
-        msg = reason[-1].split("] ", 1)[-1] if reason else "exit code %d" % code
-        if "SIGKILL" in msg and "did not stop" not in tail:
-            msg += (" (nothing in the job sent it: most likely the kernel's OOM killer, "
-                    "see dmesg; a smaller --batch-size or fewer workers need less memory)")
-        raise JobError(msg, tail)
+        text = tail(log_path)
+        failed = [l for l in text.splitlines() if "job FAILED" in l]
+        msg = failed[-1].split("] ", 1)[-1] if failed else "exit code %d" % code
+        if "SIGKILL" in msg and "did not stop" not in text:
+            msg += " (not sent by the job: most likely the kernel's OOM killer, see dmesg)"
+        raise JobError(msg, text)
     results = []
-    for i in range(W):
-        path = os.path.join(job_dir, "worker%d.json" % i)
+    for rank in range(1 if cfg["servers"] == 0 and cfg["launch"] == "ps" else cfg["workers"]):
         try:
-            with open(path) as f:
+            with open(result_path(cfg, rank)) as f:
                 results.append(json.load(f))
         except (OSError, ValueError) as err:
-            raise JobError("worker %d's result %s: %s" % (i, path, err), _tail(log_path))
-    if job.counter_errors:
-        raise JobError("interface counters: " + "; ".join(job.counter_errors))
-    missing = [m for m in marks if m not in job.counters]
-    if missing:
-        raise JobError("the workers never asked for the counter reads %s" % missing,
-                       _tail(log_path))
-    return results, job.counters, job.cpu
+            raise JobError("the result of rank %d: %s" % (rank, err), tail(log_path))
+    if errors or (topo is not None and not {"start", "end"} <= set(counters)):
+        raise JobError("interface counters: %s" % ("; ".join(errors) or "never read"),
+                       tail(log_path))
+    return results, counters, cpu
+
+
+class Run:
+    """One benchmark run in the emulated cluster: ``with Run(topo, keep_tmp, log) as
+    run:`` creates the namespaces and a job folder (``run.tmp``), turns SIGTERM and
+    SIGHUP into an interruption, and at the end, however it ends, deletes the
+    namespaces and the folder (kept with ``keep_tmp`` or when ``run.failed``)."""
+
+    def __init__(self, topo, keep_tmp, log):
+        self.topo, self.keep_tmp, self.log, self.failed = topo, keep_tmp, log, False
+
+    def __enter__(self):
+        def interrupt(signum, frame):
+            raise Interrupted()
+        self.old = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+        self.tmp = tempfile.mkdtemp(prefix="mxhylo-bench-")
+        netns.remove_stale()
+        try:
+            self.topo.create()
+        except BaseException as err:
+            self.__exit__(type(err), err, None)
+            raise
+        self.log("namespaces %s* up: %d roles" % (self.topo.prefix, len(self.topo.roles)))
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a cleanup cut short
+        for s in self.old:                                      # would leave namespaces
+            signal.signal(s, signal.SIG_IGN)
+        try:
+            errors = self.topo.destroy()
+            if errors:
+                self.log("could not delete: %s" % "; ".join(errors))
+            if self.keep_tmp or self.failed:
+                self.log("job files kept in " + self.tmp)
+            else:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+        finally:
+            signal.signal(signal.SIGINT, old_int)
+            for s, h in self.old.items():
+                signal.signal(s, h)
+        if exc_type is not None and issubclass(exc_type, netns.NetnsError):
+            raise SystemExit("network namespaces: %s" % exc)
+        if exc_type is not None and issubclass(exc_type, (Interrupted, KeyboardInterrupt)):
+            self.log("interrupted: cleaned up")
+            raise SystemExit(130)
+        return False
+
+
+@contextlib.contextmanager
+def local_folder(keep=False):
+    """A job folder on this machine, removed at the end unless ``keep``."""
+    tmp = tempfile.mkdtemp(prefix="mxhylo-bench-")
+    try:
+        yield tmp
+    finally:
+        if not keep:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -21,6 +21,8 @@ import time
 
 import numpy as np
 
+from . import report
+
 METHODS = ("sgd_small", "sgd_large", "sgd_large_warmup", "lars_large")
 
 
@@ -112,19 +114,17 @@ def run(args):
         "sgd_large_warmup": ("sgd", args.batch, scaled_lr, args.warmup_epochs),
         "lars_large": ("lars", args.batch, args.lars_lr, args.warmup_epochs),
     }
-    results = {}
+    out = report.new("lars", report.options(args))
+    results = out["results"] = {}
     for name in methods:
         kind, batch, lr, warm = plan[name]
         runs = [train_digits(kind, batch, args.epochs, seed, lr, warm, args.wd, args.eta)
                 for seed in range(args.seeds)]
-        accs = [r["acc"] for r in runs]
         results[name] = {"batch": batch, "lr": lr, "warmup_epochs": warm,
-                         "acc_mean": float(np.mean(accs)), "acc_per_seed": accs,
+                         "accuracy": report.spread([r["acc"] for r in runs]),
                          "diverged_runs": sum(r["diverged"] for r in runs),
-                         "seconds": round(sum(r["seconds"] for r in runs), 1)}
-    report = {"suite": "lars", "dtype": args.dtype, "epochs": args.epochs,
-              "seeds": args.seeds, "eta": args.eta, "wd": args.wd, "results": results}
+                         "seconds": sum(r["seconds"] for r in runs)}
     if "lars_large" in results and "sgd_large" in results:
-        report["lars_minus_sgd_large"] = round(
-            results["lars_large"]["acc_mean"] - results["sgd_large"]["acc_mean"], 4)
-    return report
+        out["lars_minus_sgd_large"] = (results["lars_large"]["accuracy"]["mean"]
+                                       - results["sgd_large"]["accuracy"]["mean"])
+    return out

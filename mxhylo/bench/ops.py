@@ -34,17 +34,7 @@ is timed once, in the first round's native process.
 Each process also quantizes, selects and dequantizes a fixed input with
 edge values (NaN, Inf, zeros, an odd tail, fp16) and reports a digest of
 every output: `outputs_identical` says whether all levels agreed bit for bit
-(tests/test_ops.py checks this in detail).
-
---compute-rounds N (default 0: skip) answers "does a process that ran hylo's
-operators compute slower afterwards?": gluoncv resnet50_v1b forward+backward
-(64x64 input, batch 8, the shapes of 224) timed in a process that quantizes a
-16M-element gradient before every step vs one that never loads the library,
-both processes alive at once and taking turns step by step (so each pair of
-steps sees the same load), N rounds of --compute-steps pairs: wall seconds
-and CPU seconds (all threads) per step, the per-pair ratio; plus the process's thread count and the CPU time its threads
-use while it sleeps for a second after the operators ran (a thread left
-spinning would show in both).
+(tests/unit/test_ops.py checks this in detail).
 """
 import hashlib
 import json
@@ -56,18 +46,14 @@ import time
 
 import numpy as np
 
-from . import plot_path
+from . import report
+
+log = report.logger("ops")
 
 DEFAULT_ISAS = "native,x86-64-v3,x86-64"
 OPS = ("quantize_2bit", "quantize_2bit_fp16", "quantize_2bit_eager", "settle_2bit", "l1_stats",
        "dequantize_2bit", "dequantize_2bit_accumulate", "select_kernels",
        "scatter_kernels_accumulate")
-# /proc/cpuinfo flags worth naming in a report (what the ISA levels and
-# MXNet's oneDNN bf16 kernels use).
-CPU_FLAGS_OF_INTEREST = (
-    "sse2", "ssse3", "sse4_1", "sse4_2", "popcnt", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2",
-    "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni", "avx512_bf16",
-    "avx512_fp16", "amx_bf16", "amx_tile")
 CHILD_TIMEOUT_S = 900
 YMAX = 2.0  # plot's axis limit in x memcpy (scatter accumulate touches only k rows: ~5-10x)
 
@@ -90,28 +76,6 @@ def add_arguments(parser):
     parser.add_argument("--topk", type=float, default=0.1,
                         help="fraction of filters select_kernels keeps")
     parser.add_argument("--ops", default="all", help="comma-separated subset of %s" % (OPS,))
-    parser.add_argument("--plot", help="PNG plot (default: beside --json, same name with .png)")
-    parser.add_argument("--compute-rounds", type=int, default=0,
-                        help="rounds of the forward+backward comparison (0 = skip)")
-    parser.add_argument("--compute-steps", type=int, default=8,
-                        help="timed resnet50_v1b steps per process of that comparison")
-
-
-# ----------------------------------------------------------------------------- machine
-
-def cpu_info():
-    """Model name, the named feature flags (present or not), cores, ISA levels runnable."""
-    from mxhylo.ops import build
-    flags = build.cpu_flags()
-    levels = {}
-    for isa in build.ISA_LEVELS:
-        missing = build.missing_features(isa)
-        levels[isa] = "ok" if not missing else "missing " + ", ".join(missing)
-    return {"model_name": build.cpu_model(),
-            "flags": {f: f in flags for f in CPU_FLAGS_OF_INTEREST},
-            "avx512_flags": sorted(f for f in flags if f.startswith("avx512")),
-            "cpu_count": os.cpu_count(),
-            "isa_levels": levels}
 
 
 # ----------------------------------------------------------------------------- child side
@@ -247,12 +211,7 @@ def child_measure(cfg):
 
 
 def _child_main():
-    cfg = json.loads(sys.argv[1])
-    if cfg["mode"] == "ops":
-        out = child_measure(cfg)
-    else:
-        out = child_compute(cfg)
-    print("RESULT " + json.dumps(out))
+    print("RESULT " + json.dumps(child_measure(json.loads(sys.argv[1]))))
 
 
 def _run_child(cfg, env_extra):
@@ -273,184 +232,7 @@ def _run_child(cfg, env_extra):
     return json.loads(lines[-1][len("RESULT "):])
 
 
-# ----------------------------------------------------------------------------- compute check
-
-def _thread_cpu_seconds():
-    """{tid: utime + stime in seconds} of this process's threads."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open("/proc/self/task/%s/stat" % tid) as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
-def _process_cpu_seconds():
-    """User + system CPU seconds of all the process's threads (microsecond resolution)."""
-    import resource
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def child_compute(cfg):
-    """Serve resnet50_v1b forward+backward steps on request (stdin 'step' ->
-    stdout 'STEP wall_s cpu_s'), with or without hylo's ops quantizing and
-    dequantizing a 16M-element gradient before every step; 'idle' -> thread
-    facts after a 1 s sleep; 'quit' ends. Returns the final facts."""
-    import mxnet as mx
-    from mxnet import autograd
-    from gluoncv.model_zoo import get_model
-
-    use_ops = cfg["with_ops"]
-    net = get_model("resnet50_v1b", pretrained=False, classes=1000)
-    net.initialize(mx.init.Xavier(), ctx=mx.cpu())
-    x = mx.nd.random.uniform(shape=(8, 3, 64, 64))
-    y = mx.nd.array(np.arange(8) % 1000)
-    loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
-    if use_ops:
-        import mxhylo.ops as ops
-        if ops.backend() != "cpp":
-            raise SystemExit("the C++ operators are unavailable")
-        n = 16 * 2 ** 20
-        grad = mx.nd.random.normal(0, 0.01, shape=(n,))
-        residual = mx.nd.zeros((n,))
-
-    def hylo_work():
-        if use_ops:
-            codes, stats = ops.quantize_2bit(grad, residual, 0.008)
-            ops.dequantize_2bit(codes, 0.008, (n,))
-            stats.asnumpy()
-        mx.nd.waitall()
-
-    def step():
-        with autograd.record():
-            loss = loss_fn(net(x), y)
-        loss.backward()
-        mx.nd.waitall()
-
-    for _ in range(2):  # warm-up: allocations, oneDNN primitives
-        hylo_work()
-        step()
-    print("READY", flush=True)
-    facts = {}
-    for line in sys.stdin:
-        cmd = line.strip()
-        if cmd == "step":
-            hylo_work()
-            cpu0 = _process_cpu_seconds()
-            start = time.perf_counter()
-            step()
-            print("STEP %.6f %.6f" % (time.perf_counter() - start,
-                                      _process_cpu_seconds() - cpu0), flush=True)
-        elif cmd == "idle":
-            hylo_work()
-            before = _thread_cpu_seconds()
-            time.sleep(1.0)
-            after = _thread_cpu_seconds()
-            facts = {"threads": len(after), "idle_cpu_s_during_1s_sleep": round(
-                sum(after[t] - before[t] for t in after if t in before), 3)}
-            print("IDLE " + json.dumps(facts), flush=True)
-        elif cmd == "quit":
-            break
-    return facts
-
-
-def _expect(proc, prefix):
-    while True:
-        line = proc.stdout.readline().decode(errors="replace")
-        if not line:
-            raise RuntimeError("compute-check process exited (status %s) before %r" % (
-                proc.poll(), prefix))
-        if line.startswith(prefix):
-            return line[len(prefix):].strip()
-
-
-def compute_check(args):
-    """Both processes live at once and take turns step by step (the order swaps
-    every step), so every pair of steps sees the same machine load."""
-    code = "from mxhylo.bench import ops; ops._child_main()"
-    env = dict(os.environ)
-    env.pop("MXHYLO_OPS", None)
-    procs = {}
-    try:
-        for with_ops in (True, False):
-            cfg = {"mode": "compute", "with_ops": with_ops}
-            procs[with_ops] = subprocess.Popen(
-                [sys.executable, "-c", code, json.dumps(cfg)], env=env, stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        for proc in procs.values():
-            _expect(proc, "READY")
-
-        def ask(proc, cmd, prefix):
-            proc.stdin.write((cmd + "\n").encode())
-            proc.stdin.flush()
-            return _expect(proc, prefix)
-
-        wall = {True: [], False: []}
-        cpu = {True: [], False: []}
-        total = args.compute_rounds * args.compute_steps
-        _log("compute check: %d step pairs" % total)
-        for i in range(total):
-            for with_ops in ((True, False) if i % 2 == 0 else (False, True)):
-                w, c = ask(procs[with_ops], "step", "STEP ").split()
-                wall[with_ops].append(float(w))
-                cpu[with_ops].append(float(c))
-        facts = {k: json.loads(ask(p, "idle", "IDLE ")) for k, p in procs.items()}
-        for proc in procs.values():
-            proc.stdin.write(b"quit\n")
-            proc.stdin.flush()
-            proc.wait(timeout=60)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    ratios = [a / b for a, b in zip(wall[True], wall[False])]
-    cpu_ratios = [a / b for a, b in zip(cpu[True], cpu[False]) if b > 0]
-    # per round of --compute-steps pairs: the ratio of the median step times
-    per_round = []
-    for r in range(args.compute_rounds):
-        sl = slice(r * args.compute_steps, (r + 1) * args.compute_steps)
-        per_round.append(statistics.median(wall[True][sl]) / statistics.median(wall[False][sl]))
-    med = statistics.median(ratios)
-    q = sorted(ratios)
-    return {
-        "model": "resnet50_v1b, 8x3x64x64, forward+backward; the two processes alternate "
-                 "step by step",
-        "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
-        "steps_each": total,
-        "with_ops_median_s": round(statistics.median(wall[True]), 4),
-        "without_ops_median_s": round(statistics.median(wall[False]), 4),
-        "ratio_per_pair_median": round(med, 4),
-        "ratio_per_pair_quartiles": [round(q[len(q) // 4], 4), round(q[(3 * len(q)) // 4], 4)],
-        "ratio_per_round": [round(v, 4) for v in per_round],
-        "within_5_percent": abs(med - 1.0) <= 0.05,
-        "cpu_ratio_per_pair_median": round(statistics.median(cpu_ratios), 4),
-        "cpu_within_5_percent": abs(statistics.median(cpu_ratios) - 1.0) <= 0.05,
-        "with_ops_cpu_s_median": round(statistics.median(cpu[True]), 4),
-        "without_ops_cpu_s_median": round(statistics.median(cpu[False]), 4),
-        "threads_with_ops": facts[True]["threads"],
-        "threads_without_ops": facts[False]["threads"],
-        "idle_cpu_s_with_ops": facts[True]["idle_cpu_s_during_1s_sleep"],
-        "idle_cpu_s_without_ops": facts[False]["idle_cpu_s_during_1s_sleep"],
-    }
-
-
 # ----------------------------------------------------------------------------- parent side
-
-def _log(msg):
-    print("[ops] " + msg, file=sys.stderr, flush=True)
-
-
-def _spread(values, digits=3):
-    return {"median": round(statistics.median(values), digits),
-            "min": round(min(values), digits), "max": round(max(values), digits),
-            "all": [round(v, digits) for v in values]}
-
 
 def summarize(per_isa, wanted):
     """results[op][isa] = gbps / memcpy / ratio spreads over the rounds."""
@@ -463,8 +245,8 @@ def summarize(per_isa, wanted):
             gbps = [r["results"][name]["gbps"] for r in runs]
             memcpy = [r["results"][name]["memcpy_gbps"] for r in runs]
             ratio = [r["results"][name]["over_memcpy"] for r in runs]
-            entry = {"gbps": _spread(gbps), "memcpy_gbps": _spread(memcpy),
-                     "over_memcpy": _spread(ratio)}
+            entry = {"gbps": report.spread(gbps), "memcpy_gbps": report.spread(memcpy),
+                     "over_memcpy": report.spread(ratio)}
             refs = [r["results"][name]["reference_gbps"] for r in runs
                     if "reference_gbps" in r["results"][name]]
             if refs:
@@ -474,29 +256,24 @@ def summarize(per_isa, wanted):
     return results
 
 
-def write_plot(report, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [n for n in OPS if n in report["results"]]
-    isas = [i for i in report["isa_levels"] if report["isa_status"][i] == "measured"]
+def plot(out, path):
+    if not out["results"] or not any(out["results"].values()):
+        return
+    plt = report.pyplot()
+    names = [n for n in OPS if n in out["results"]]
+    isas = [i for i in out["isa_levels"] if out["isa_status"][i] == "measured"]
     fig, ax = plt.subplots(figsize=(12, 4.8))
     width = 0.8 / max(len(isas), 1)
     for j, isa in enumerate(isas):
-        xs, med, lo, hi = [], [], [], []
-        for i, name in enumerate(names):
-            entry = report["results"][name].get(isa)
-            if not entry:
-                continue
-            r = entry["over_memcpy"]
-            xs.append(i + (j - (len(isas) - 1) / 2.0) * width)
-            med.append(r["median"])
-            lo.append(r["median"] - r["min"])
-            hi.append(r["max"] - r["median"])
-        ax.bar(xs, med, width, yerr=[lo, hi], capsize=3, label=isa)
-        for x, m in zip(xs, med):  # the median, written at the foot of its bar
-            ax.text(x, 0.03, "%.2f" % m, ha="center", va="bottom", fontsize=7, rotation=90)
+        got = [(i, out["results"][n][isa]["over_memcpy"]) for i, n in enumerate(names)
+               if isa in out["results"][n]]
+        xs = [i + (j - (len(isas) - 1) / 2.0) * width for i, _ in got]
+        med = [r["median"] for _, r in got]
+        ax.bar(xs, med, width, capsize=3, label=isa,
+               yerr=[[r["median"] - r["min"] for _, r in got],
+                     [r["max"] - r["median"] for _, r in got]])
+        for x_, m in zip(xs, med):
+            ax.text(x_, 0.03, "%.2f" % m, ha="center", va="bottom", fontsize=7, rotation=90)
     ax.set_ylim(0, YMAX + 0.25)
     ax.axhline(1.0, color="k", lw=1, ls="--", label="memcpy (same process)")
     ax.axhline(0.4, color="r", lw=1, ls=":", label="0.4x memcpy")
@@ -504,13 +281,9 @@ def write_plot(report, path):
     ax.set_xticklabels([n.replace("_", "\n", 1) for n in names], fontsize=8)
     ax.set_ylabel("C++ / memcpy (median, bars: min-max over rounds)")
     ax.legend(fontsize=8)
-    cpu = report["cpu"]
-    feats = [f for f in ("avx2", "avx512f", "avx512bw", "f16c") if cpu["flags"].get(f)]
-    ax.set_title("ops, %d elements, 1 thread, %d rounds; %s (%s)" % (
-        report["size"], report["rounds"], cpu["model_name"], " ".join(feats)), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    cfg = out["config"]
+    report.save(fig, path, report.caption(out, "ops: %d elements, 1 thread, %d rounds" % (
+        cfg["size"], cfg["rounds"])))
 
 
 def run(args):
@@ -529,53 +302,32 @@ def run(args):
     status, per_isa = {}, {isa: [] for isa in isas}
     for isa in isas:
         missing = build.missing_features(isa)
-        status[isa] = "measured" if not missing else \
-            "skipped: this CPU lacks " + ", ".join(missing)
+        status[isa] = "skipped: this CPU lacks " + ", ".join(missing) if missing \
+            else "measured"
         if missing:
-            _log("%s: %s" % (isa, status[isa]))
-    base = {"mode": "ops", "size": args.size, "repeats": args.repeats, "scale": args.scale,
+            log("%s: %s" % (isa, status[isa]))
+    base = {"size": args.size, "repeats": args.repeats, "scale": args.scale,
             "filter": args.filter, "topk": args.topk, "ops": wanted,
             "ref_repeats": args.ref_repeats}
     first = {}
     for rnd in range(args.rounds):
-        for isa in isas:
-            if status[isa] != "measured":
-                continue
-            _log("round %d/%d: %s" % (rnd + 1, args.rounds, isa))
-            cfg = dict(base, reference=(rnd == 0 and isa == isas[0]))
-            out = _run_child(cfg, {"MXHYLO_ISA": isa})
-            per_isa[isa].append(out)
-            first.setdefault(isa, out)
+        for isa in [i for i in isas if status[i] == "measured"]:
+            log("round %d/%d: %s" % (rnd + 1, args.rounds, isa))
+            got = _run_child(dict(base, reference=(rnd == 0 and isa == isas[0])),
+                             {"MXHYLO_ISA": isa})
+            per_isa[isa].append(got)
+            first.setdefault(isa, got)
     digests = {isa: sorted({r["edge_digest"] for r in runs}) for isa, runs in per_isa.items()
                if runs}
-    all_digests = {d for ds in digests.values() for d in ds}
     results = summarize(per_isa, wanted)
-    report = {
-        "suite": "ops",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "size": args.size,
-        "rounds": args.rounds,
-        "repeats": args.repeats,
-        "threads": 1,
-        "cpu": cpu_info(),
-        "isa_levels": isas,
-        "isa_status": status,
-        "build_info": {isa: first[isa]["build_info"] for isa in first},
-        "library": {isa: first[isa]["library"] for isa in first},
-        "setup": next(iter(first.values()))["setup"] if first else None,
-        "results": results,
-        "edge_digests": digests,
-        "outputs_identical": len(all_digests) <= 1,
-    }
-    targets = {}
-    for name in ("quantize_2bit", "quantize_2bit_fp16"):
-        for isa, entry in results.get(name, {}).items():
-            targets["%s %s over_memcpy>=0.4" % (name, isa)] = entry["over_memcpy"]["median"] >= 0.4
-    report["targets"] = targets
-    if args.compute_rounds > 0:
-        report["compute_check"] = compute_check(args)
-    plot = plot_path(args)
-    if plot and first:
-        write_plot(report, plot)
-        report["plot"] = plot
-    return report
+    out = report.new("ops", dict(base, rounds=args.rounds, isa=isas, threads=1))
+    out.update(isa_levels=isas, isa_status=status,
+               build_info={isa: first[isa]["build_info"] for isa in first},
+               library={isa: first[isa]["library"] for isa in first},
+               setup=next(iter(first.values()))["setup"] if first else None,
+               results=results, edge_digests=digests,
+               outputs_identical=len({d for ds in digests.values() for d in ds}) <= 1,
+               targets={"%s %s over_memcpy>=0.4" % (name, isa): e["over_memcpy"]["median"] >= 0.4
+                        for name in ("quantize_2bit", "quantize_2bit_fp16")
+                        for isa, e in results.get(name, {}).items()})
+    return out

@@ -14,8 +14,8 @@ simulation (kvstore.simulate), where this machine cannot run as many processes.
   workers (each its shard of the training set, its own batches, residuals and
   encodes; momentum SGD 0.9, wd 1e-4, the cosine schedule with a 1-epoch ramp; the
   store's defaults: 30 dense warm-up steps, momentum correction, bounded residuals).
-  Modes: 'dense' (float32 sums), 'gather' (the default codecs: fc_2bit, conv_topk)
-  and 'shared' (the same layers as shared_2bit). Same seed, same data and
+  --codecs: 'dense' (float32 sums), 'gather' (the default codecs: fc_2bit,
+  conv_topk) and 'shared' (the same layers as shared_2bit). Same seed, same data and
   initialisation in every mode: the report gives paired differences. BatchNorm's
   running statistics are one net's, updated by every worker's batch in turn.
 """
@@ -23,33 +23,36 @@ import time
 
 import numpy as np
 
-MODES = ("dense", "gather", "shared")
+from . import report
+
+log = report.logger("scale")
+CODECS = ("dense", "gather", "shared")      # of the simulated store
 
 
 def add_arguments(p):
-    p.add_argument("--part", default="bytes,accuracy")
-    p.add_argument("--workers", default="4,16,64", help="W of the bytes part")
-    p.add_argument("--models", default="resnet50_v1b,vgg16")
-    p.add_argument("--servers", type=int, default=2)
-    p.add_argument("--nets", default="conv_net,digits_net")
-    p.add_argument("--sim-workers", type=int, default=16)
-    p.add_argument("--seeds", type=int, default=5)
-    p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=8, help="per simulated worker")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--part", default="bytes,accuracy", help="bytes, accuracy or both")
+    p.add_argument("--workers", default="4,16,64", help="W of the bytes part (4,16,64)")
+    p.add_argument("--models", default="resnet50_v1b,vgg16", help="gluoncv models (bytes)")
+    p.add_argument("--servers", type=int, default=2, help="servers of the bytes part (2)")
+    p.add_argument("--nets", default="conv_net,digits_net", help="nets of the accuracy part")
+    p.add_argument("--sim-workers", type=int, default=16, help="simulated workers (16)")
+    p.add_argument("--seeds", type=int, default=5, help="seeds (5)")
+    p.add_argument("--epochs", type=int, default=20, help="epochs (20)")
+    p.add_argument("--batch-size", type=int, default=8, help="per simulated worker (8)")
+    p.add_argument("--lr", type=float, default=0.05, help="peak learning rate (0.05)")
+    p.add_argument("--codecs", default=",".join(CODECS),
+                   help="the simulated store's codecs, of %s" % ", ".join(CODECS))
 
 
 def run(args):
-    from .comm import machine_info
-    report = {"machine": machine_info()}
+    out = report.new("scale", report.options(args))
     parts = args.part.split(",")
     if "bytes" in parts:
-        report["bytes"] = pull_bytes([m for m in args.models.split(",") if m],
-                                     [int(w) for w in args.workers.split(",")], args.servers)
+        out["bytes"] = pull_bytes([m for m in args.models.split(",") if m],
+                                  [int(w) for w in args.workers.split(",")], args.servers)
     if "accuracy" in parts:
-        report["accuracy"] = accuracy(args)
-    return report
+        out["accuracy"] = accuracy(args)
+    return out
 
 
 # -- bytes --------------------------------------------------------------------------------
@@ -86,10 +89,9 @@ def pull_bytes(models, workers, servers):
                          "sum_push": int(shared[0]), "sum_pull": int(shared[1]),
                          "gather_pull_fraction": round(today[1] / dense, 4),
                          "sum_pull_fraction": round(shared[1] / dense, 4)})
-            print("%-14s W=%-3d compressed layers %6.1f MB dense | gather pull %.3f | "
-                  "sum pull %.3f of dense" % (model, w, dense / 1e6,
-                                              today[1] / dense, shared[1] / dense),
-                  flush=True)
+            log("%-14s W=%-3d compressed layers %6.1f MB dense | gather pull %.3f | "
+                "sum pull %.3f of dense" % (model, w, dense / 1e6, today[1] / dense,
+                                            shared[1] / dense))
         out[model] = {"compressed_layers": len(plans), "rows": rows}
     return out
 
@@ -97,16 +99,15 @@ def pull_bytes(models, workers, servers):
 # -- accuracy -----------------------------------------------------------------------------
 
 def accuracy(args):
-    modes = [m for m in args.modes.split(",") if m]
+    modes = [m for m in args.codecs.split(",") if m]
     runs = []
     for net in [n for n in args.nets.split(",") if n]:
         for seed in range(args.seeds):
             for mode in modes:
                 r = simulated_run(net, mode, args.sim_workers, seed, args.epochs,
                                   args.batch_size, args.lr)
-                print("%-10s %-7s W=%d seed %d: accuracy %.4f (%.0f s)"
-                      % (net, mode, args.sim_workers, seed, r["accuracy"], r["seconds"]),
-                      flush=True)
+                log("%-10s %-7s W=%d seed %d: accuracy %.4f (%.0f s)"
+                    % (net, mode, args.sim_workers, seed, r["accuracy"], r["seconds"]))
                 runs.append(r)
     return {"runs": runs, "paired": paired(runs, modes)}
 
