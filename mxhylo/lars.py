@@ -62,7 +62,7 @@ _CKPT_FORMAT = "mxhylo.LARSTrainer/1"
 # otherwise. Elsewhere, e.g. an AVX2-only CPU, the first bf16 convolution fails
 # inside oneDNN with "could not create a primitive descriptor iterator"; so does
 # any CPU when DNNL_MAX_CPU_ISA caps oneDNN below AVX512_CORE (which is how
-# tests/test_lars.py reproduces the failure on an AVX-512 machine).
+# tests/integration/test_lars.py reproduces the failure on an AVX-512 machine).
 BF16_CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 _ONEDNN_BF16_ISAS = ("AVX512_CORE", "AVX512_CORE_VNNI", "AVX512_CORE_BF16", "AVX512_CORE_AMX",
                      "ALL")

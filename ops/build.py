@@ -17,7 +17,7 @@ the instruction set the library is compiled for (-march=...):
   x86-64-v2  SSE4.2, POPCNT
   x86-64     the portable baseline (SSE2), also spelled 'baseline'
 Every level computes bitwise the same results (one source, no per-ISA
-arithmetic; tests/test_ops.py compares the builds). A process loads ONE
+arithmetic; tests/unit/test_ops.py compares the builds). A process loads ONE
 library into MXNet (the operator names would clash): to compare levels, use
 one process per level (python -m mxhylo.bench ops does). load() refuses a
 level this CPU cannot run, naming the missing CPU features (see

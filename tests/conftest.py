@@ -1,4 +1,16 @@
+"""The test run's options and markers.
+
+Tests live in three folders, by what they need: unit/ (numpy and the operators, no
+store), integration/ (a hylo store and MXNet in this process), distributed/ (jobs of
+several processes started as users start them; the scripts those jobs run are in
+distributed/jobs/). Each test is marked with its folder's name, so ``-m unit`` or
+``-m "not distributed"`` selects by kind. ``--runslow`` adds the heavier runs.
+"""
+import os
+
 import pytest
+
+KINDS = ("unit", "integration", "distributed")
 
 
 def pytest_addoption(parser):
@@ -6,6 +18,10 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        kind = os.path.basename(os.path.dirname(str(item.fspath)))
+        if kind in KINDS:
+            item.add_marker(getattr(pytest.mark, kind))
     if config.getoption("--runslow"):
         return
     skip = pytest.mark.skip(reason="heavier run: opt in with --runslow")

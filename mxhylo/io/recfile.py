@@ -182,7 +182,7 @@ def part_range(num_records, num_parts, part_index):
     With an .idx, ImageRecordIter (dmlc's indexed_recordio split) gives part p the
     records [p*s, min((p+1)*s, N)) with s = ceil(N / num_parts): every part but the
     last has s records and the last may have far fewer, or none (for example N=9 in 4
-    parts: 3, 3, 3, 0). Checked against ImageRecordIter in tests/test_io.py.
+    parts: 3, 3, 3, 0). Checked against ImageRecordIter in tests/integration/test_io.py.
     """
     step = -(-num_records // num_parts)
     begin = min(part_index * step, num_records)

@@ -1,6 +1,6 @@
 """RecordLoader: a pipelined, rank-aware ImageRecordIter for Gluon training loops.
 
-Behaviour (every point checked in tests/test_io.py):
+Behaviour (every point checked in tests/integration/test_io.py):
 
 - One ``for batch in loader`` is one epoch of this worker's part: every record of the
   part exactly once; with ``shuffle`` a new order each epoch (ImageRecordIter

@@ -3,7 +3,7 @@ once (conv_topk, fc_2bit and uncompressed, so that the servers decode 'rows', 's
 and dense keys), then each worker writes DIR/ready-RANK and waits until DIR/release
 exists (at most HOLD_S seconds): the test reads the job's sockets meanwhile.
 
-    python tests/security_scripts/kv_job.py DIR      (under mxhylo.launch)
+    python tests/distributed/jobs/kv_job.py DIR      (under mxhylo.launch)
 
 The scheduler and the servers run this file too and never get past the imports
 (they serve inside them).

@@ -16,8 +16,8 @@ import pytest
 from mxhylo.kvstore.policy import LayerPlan
 from mxhylo.kvstore.simulate import SimulatedWorkers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "tests", "dist_scripts", "shared_sum.py")
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SCRIPT = os.path.join(ROOT, "tests", "distributed", "jobs", "shared_sum.py")
 
 
 def _script():

@@ -1,5 +1,5 @@
 """A job starts every time, even when the script evaluates its net just before the
-Trainer's first step (tests/dist_scripts/eval_then_train.py, 2 workers + 2 servers).
+Trainer's first step (tests/distributed/jobs/eval_then_train.py, 2 workers + 2 servers).
 
 That is where MXNet loses rank 0's initial value of a parameter: an inference forward
 leaves a convolution's weight in oneDNN's own layout, MXNet's init push asks that array
@@ -18,8 +18,8 @@ import sys
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "tests", "dist_scripts", "eval_then_train.py")
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SCRIPT = os.path.join(ROOT, "tests", "distributed", "jobs", "eval_then_train.py")
 ABORT = "Check failed: !stored.is_none()"
 
 

@@ -1,5 +1,5 @@
 """The hylo store over Horovod (kvstore.transport_horovod), with 2 processes started by
-``horovodrun -np 2 -H localhost:2 --gloo`` (tests/hvd_worker.py), plus the blob layout
+``horovodrun -np 2 -H localhost:2 --gloo`` (tests/distributed/jobs/hvd_worker.py), plus the blob layout
 (kvstore.wire) and the traffic formulas against numpy and a step-by-step ring."""
 import json
 import os
@@ -22,8 +22,8 @@ from mxhylo.kvstore.transport_horovod import (HorovodTransport, launched_by_horo
                                               ring_allgather_bytes, ring_allreduce_bytes)
 from mxhylo.kvstore.wire import blob_payloads, payload_blob
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "hvd_worker.py")
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+WORKER = os.path.join(ROOT, "tests", "distributed", "jobs", "hvd_worker.py")
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 
 
@@ -146,7 +146,7 @@ def test_a_compressed_pull_and_the_servers_options_are_refused():
 # -- two Horovod processes ---------------------------------------------------------------
 
 def horovodrun(mode, out_dir, timeout=120, prefix=()):
-    """Run [prefix...] tests/hvd_worker.py MODE in 2 Horovod processes; returns the
+    """Run [prefix...] tests/distributed/jobs/hvd_worker.py MODE in 2 Horovod processes; returns the
     output. horovodrun picks its own free port; the whole process group is killed on
     timeout, and no process of the job may outlive it."""
     cmd = [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable] + \

@@ -1,7 +1,7 @@
 """Worker of test_shared_scale_dist.py: a layer of the shared_2bit codec over the real
 parameter servers, its 'sum' pull in 3 chunks.
 
-    python tests/dist_scripts/shared_sum.py OUT     (under mxhylo.launch or horovodrun)
+    python tests/distributed/jobs/shared_sum.py OUT     (under mxhylo.launch or horovodrun)
 
 Each worker pushes STEPS seeded gradients (numpy RandomState(SEED + rank)) and writes
 to OUT.npz (OUT may contain {rank}) every aggregate it pulled and the value it

@@ -2,7 +2,7 @@
 says when each gradient is written) and the store taking layers in that order.
 
 The distributed side (2 workers + 2 servers: bitwise the serial exchange's parameters,
-and a push that leaves while backward still runs) is in tests/test_dist.py."""
+and a push that leaves while backward still runs) is in tests/distributed/test_dist.py."""
 import threading
 import time
 

@@ -1,6 +1,6 @@
 """Workers of a job in which worker rank 1 sends a malformed push (test_security.py).
 
-    python tests/security_scripts/bad_push.py      (under mxhylo.launch, 2 workers)
+    python tests/distributed/jobs/bad_push.py      (under mxhylo.launch, 2 workers)
 
 Over MXNet's own 'dist_sync' store, each worker sends the servers a layout table of
 one fp16 'slots' key (KEY, two rows a worker's slot) with mxhylo's decoder, then pushes

@@ -13,7 +13,7 @@ from mxhylo.kvstore.cost_model import CodecCost, WireCost
 from mxhylo.kvstore.plan import Costs, Plan, TrainerFacts, make_plan
 from mxhylo.kvstore.policy import LayerPolicy
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 LAYERS = (("conv0_weight", (64, 3, 7, 7)),          # 9408: 2-bit by the rule
           ("bn0_gamma", (64,)),

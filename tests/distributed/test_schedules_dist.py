@@ -2,7 +2,7 @@
 server (and under horovodrun): k micro-batches per update give one process's step on
 the whole batch, under MXNet's dist_sync, the hylo store with compression off and
 Horovod's DistributedTrainer
-(tests/user_scripts/accumulate.py checks it inside each worker).
+(tests/distributed/jobs/accumulate.py checks it inside each worker).
 
 Each job has the launcher's timeout and one on the whole command; the launcher picks
 free ports; no process of a job may outlive it."""
@@ -17,8 +17,8 @@ import pytest
 
 from proc_helpers import processes_mentioning
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "tests", "user_scripts", "accumulate.py")
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SCRIPT = os.path.join(ROOT, "tests", "distributed", "jobs", "accumulate.py")
 TIMEOUT_S = 120
 
 

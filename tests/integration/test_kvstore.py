@@ -496,7 +496,7 @@ def test_the_readme_options_table_is_the_one_in_kvstore_options():
     import inspect
     import os
     from mxhylo.kvstore import options
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
     shown = readme.split("<!-- options:")[1].split("-->", 1)[1].split("<!-- /options -->")[0]
     assert shown.strip() == options.table_markdown().strip()
     taken = [p for p in inspect.signature(options.make_options).parameters

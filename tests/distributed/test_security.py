@@ -36,8 +36,8 @@ from mxhylo.kvstore.server import ServerDecoder, ServerState
 from mxhylo.kvstore.wire import (ChunkLayout, pack_bytes, plan_chunks, push_slot,
                                  row_sparse_push, rows_from_zero)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(REPO, "tests", "security_scripts")
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SCRIPTS = os.path.join(REPO, "tests", "distributed", "jobs")
 PY = sys.executable
 W = 2           # workers of every in-process server below
 

@@ -8,7 +8,7 @@ port, a timeout on the job) running this file as the workers' script; MXNet's bi
 bound is lowered so that on the servers' route the first layer's weight (1280
 elements) is cut in one piece per server, as a large parameter would be:
 
-    python tests/test_server_states.py PHASE DIR
+    python tests/distributed/test_server_states.py PHASE DIR
 
 PHASE (below, ``PHASES``) says what the workers do; they train a Dense(64) + Dense(10)
 net with SGD (momentum 0.9) on data fixed by the step and the worker's rank, and
@@ -26,7 +26,7 @@ import numpy as np
 
 from proc_helpers import processes_mentioning
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 HERE = os.path.abspath(__file__)
 BATCH = 8           # samples per worker and step
 FEATURES = 20

@@ -19,8 +19,8 @@ import pytest
 
 from mxhylo import launch, procs
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(REPO, "tests", "dist_scripts")
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SCRIPTS = os.path.join(REPO, "tests", "distributed", "jobs")
 DIGITS = os.path.join(SCRIPTS, "digits_dist.py")
 STANDIN = os.path.join(SCRIPTS, "train_imagenet_standin.py")
 PY = sys.executable
@@ -692,7 +692,7 @@ def test_ssh_launcher_end_to_end_with_stand_in_ssh(tmp_path):
 
 # ----------------------------------------------------------------------------- start-up race
 
-FAKE_RACE = os.path.join(REPO, "tests", "launch_scripts", "fake_race.py")
+FAKE_RACE = os.path.join(REPO, "tests", "distributed", "jobs", "fake_race.py")
 SERVER_RACE = 'server 0: "Check failed: !stored.is_none(): init 5 first"'
 WORKER_RACE = 'worker 0: "Check failed: msg.data.size() >= (size_t)2 (0 vs. 2)"'
 
@@ -704,7 +704,7 @@ def _launched_pids(out):
 
 
 def _fake_job(tmp_path, args=(), grace=3, **fake_env):
-    """Run the launcher on tests/launch_scripts/fake_race.py (2 workers, 2 servers).
+    """Run the launcher on tests/distributed/jobs/fake_race.py (2 workers, 2 servers).
 
     Returns (rc, output, attempts, abort walltimes, launcher end walltime); attempts:
     the scheduler ports, one per attempt. Asserts that no process of any attempt is

@@ -8,14 +8,10 @@ compress_pull says.
 
 Covered here: the option (kvstore.policy), the gather layout (kvstore.wire), the
 in-process store against a numpy reference of the worker's error-feedback loop
-(conservation, edges, float16, non-finite gradients), and the real parameter servers
-(2 workers, 2 servers) through tests/dist_keys_worker.py.
+(conservation, edges, float16, non-finite gradients). Over real parameter servers:
+tests/distributed/test_pull_dist.py.
 """
-import json
-import os
 import re
-import subprocess
-import sys
 
 import mxnet as mx
 import numpy as np
@@ -32,7 +28,7 @@ def _compress_from_the_first_step(monkeypatch):
     """These tests check the codecs step by step: no warm-up (dense first steps)."""
     monkeypatch.setattr("mxhylo.kvstore.options.DEFAULT_WARMUP_STEPS", 0)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 TINY = np.float32(np.finfo(np.float32).tiny)
 
 
@@ -222,7 +218,7 @@ def test_in_one_process_every_pull_is_the_dense_aggregate():
 
 
 def test_conservation_over_many_steps(monkeypatch):
-    """Error feedback alone (the residual's bound off: tests/test_bounded_residual.py is
+    """Error feedback alone (the residual's bound off: tests/integration/test_bounded_residual.py is
     its own): sum of gradients == sum delivered + the worker's residual."""
     monkeypatch.setattr(stages, "ROW_BOUND", 1e30)     # off: (times a wait) above any row
     rng = np.random.RandomState(14)
@@ -357,77 +353,3 @@ def test_non_finite_gradient_raises_and_leaves_the_worker_state():
     assert after[1] == before[1]                        # the 2-bit threshold
     stats = kv.stats()["layers"]
     assert stats["fc"]["steps"] == stats["conv"]["steps"] == 3
-
-
-# -- 4. over real parameter servers: 2 workers, 2 servers -------------------------------
-
-def launch_keys_worker(tmp_path, mode, timeout=120):
-    out = str(tmp_path / (mode.replace(":", "_") + "-{rank}.json"))
-    cmd = [sys.executable, "-m", "mxhylo.launch", "-n", "2", "-s", "2", "--timeout",
-           str(timeout), sys.executable, os.path.join(ROOT, "tests", "dist_keys_worker.py"),
-           mode, out]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 60)
-    return proc, out
-
-
-# what dist_keys_worker.py's pull() trains
-DIST_SHAPES = {"conv": (64, 16, 3, 3), "fc": (96, 200), "fc_odd": (50, 333),
-               "bias": (10,), "conv_small": (8, 4, 1, 1)}
-
-
-# sha256 of rank 0's results (dist_keys_worker.py pull:MODE: every output, the sums and
-# the worker's checkpoint), so that a change of the exchange that changes one bit fails
-# here. The inputs are seeded numpy draws and every operator is bitwise the same at
-# every ISA level (tests/test_ops.py), so the digest does not depend on the CPU. A
-# deliberate change of the arithmetic records new digests.
-RECORDED_DIGESTS = {
-    # the gather pull is bitwise the dense pull (the property beside it below; each
-    # residual row's bound: tests/test_bounded_residual.py)
-    "gather": "9fc69e753a64d45f1e126a75cb74fee73bde5e3dc0ea88e0068daa34f6a2d097",
-    "dense": "9fc69e753a64d45f1e126a75cb74fee73bde5e3dc0ea88e0068daa34f6a2d097"}
-
-
-def results_digest(arrays):
-    """sha256 (hex) of a dict of numpy arrays: names, dtypes, shapes and bytes."""
-    import hashlib
-    h = hashlib.sha256()
-    for name in sorted(arrays):
-        a = np.ascontiguousarray(arrays[name])
-        h.update(("%s|%s|%s|" % (name, a.dtype.str, a.shape)).encode())
-        h.update(a.tobytes())
-    return h.hexdigest()
-
-
-def assert_recorded_digest(mode, arrays):
-    digest = results_digest(arrays)
-    assert digest == RECORDED_DIGESTS[mode], (
-        "pull:%s results changed bitwise: digest %s, recorded %s"
-        % (mode, digest, RECORDED_DIGESTS[mode]))
-
-
-def test_gather_pull_equals_the_dense_pull_bitwise(tmp_path):
-    """'gather' returns the workers' payloads as the server summed them: what every
-    worker decodes is bitwise the dense pull's aggregate, and no server keeps state."""
-    runs = {}
-    for mode in ("gather", "dense"):
-        proc, out = launch_keys_worker(tmp_path, "pull:" + mode)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        runs[mode] = ([dict(np.load(out.format(rank=r) + ".npz")) for r in range(2)],
-                      [json.load(open(out.format(rank=r))) for r in range(2)])
-    (gather, g_reports), (dense, d_reports) = runs["gather"], runs["dense"]
-    assert_recorded_digest("gather", gather[0])
-    assert_recorded_digest("dense", dense[0])
-    for name in DIST_SHAPES:
-        for key in ("got/", "last/"):
-            np.testing.assert_array_equal(gather[0][key + name], dense[0][key + name],
-                                          err_msg=key + name)
-            np.testing.assert_array_equal(gather[1][key + name], gather[0][key + name],
-                                          err_msg=key + name)
-    assert not any(k.startswith("state/server_") for k in gather[0])
-    assert all(r["resumed"] for r in g_reports)
-    for g, d in zip(g_reports, d_reports):
-        # the same payloads (cut into chunks a little differently: placeholders differ)
-        assert abs(g["bytes_pushed"] - d["bytes_pushed"]) < 0.01 * d["bytes_pushed"]
-        # two workers' payloads come back: about twice the push, well under dense
-        assert g["bytes_pulled"] < 2.5 * g["bytes_pushed"], g
-        assert g["bytes_pulled"] < 0.6 * d["bytes_pulled"], (g, d)

@@ -1,6 +1,6 @@
 """The servers' route (kvstore.server_route): the rule that chooses it, what refuses it,
 and the servers' side of it (kvstore.server), in one process. Through real servers:
-tests/test_dist.py (equal to dist_sync bitwise, a new learning rate reaching the
+tests/distributed/test_dist.py (equal to dist_sync bitwise, a new learning rate reaching the
 servers, every worker taking rank 0's choice)."""
 import mxnet as mx
 import numpy as np

@@ -1,7 +1,7 @@
 """Batch-size and momentum schedules on a Trainer (mxhylo.schedules), in one process.
 
 The distributed cases (dist_sync and hylo over the parameter server) are in
-tests/test_schedules_dist.py."""
+tests/distributed/test_schedules_dist.py."""
 import mxnet as mx
 import numpy as np
 import pytest
@@ -167,7 +167,7 @@ def test_momentum_correction_is_exact_when_the_momentum_changes(monkeypatch):
     every update (and a cosine lr; 0 at one update, where MXNet's SGD leaves its buffer
     as it was), gives MXNet's momentum SGD's weights under the same momenta, to float32
     rounding. (Sending every row, velocity and correction cancel whatever m they use:
-    tests/test_momentum.py test_held_gradients_keep_the_learning_rate_of_their_step,
+    tests/integration/test_momentum.py test_held_gradients_keep_the_learning_rate_of_their_step,
     with a changing momentum, is the one that sees m.)"""
     from mxhylo.kvstore import momentum
 

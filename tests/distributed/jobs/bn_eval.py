@@ -3,7 +3,7 @@ parameter-server store, evaluated between training steps.
 
 An evaluation forward (not recording) lets oneDNN reorder the conv weights into its
 own layout, in the parameter's array itself; the next step's exchange then writes the
-parameter. Every store must take that: the test is tests/test_param_arrays.py.
+parameter. Every store must take that: the test is tests/distributed/test_param_arrays.py.
 
 Run under ``python -m mxhylo.launch -n 2 -s 1``. The store comes from the environment:
   BN_EVAL_STORE=servers    mxhylo.create('dist_sync_hylo', server_update=True)

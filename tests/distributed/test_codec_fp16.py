@@ -16,7 +16,7 @@ from mxhylo.kvstore.codec_fp16 import FP16_MAX, Float16
 from mxhylo.kvstore.memory import ResidualMemory
 from mxhylo.kvstore.policy import LayerPlan
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def reference(grads):
@@ -82,7 +82,7 @@ def test_fp16_end_to_end_over_the_parameter_server(tmp_path):
     sum), so a push is about 0.53 of dense, not half."""
     out = str(tmp_path / "fp16-{rank}.json")
     cmd = [sys.executable, "-m", "mxhylo.launch", "-n", "2", "-s", "2", "--timeout", "120",
-           sys.executable, os.path.join(ROOT, "tests", "dist_keys_worker.py"), "fp16", out]
+           sys.executable, os.path.join(ROOT, "tests", "distributed", "jobs", "dist_keys_worker.py"), "fp16", out]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     shape, steps = (96, 1000), 3

@@ -1,36 +1,36 @@
 """Worker of test_dist.py: exchanges a fixed set of keys with the hylo store.
 
-    python tests/dist_keys_worker.py fusion OUT      21 small tensors in one pushpull call
-    python tests/dist_keys_worker.py mismatch OUT    rank 1 has a differently shaped model
-    python tests/dist_keys_worker.py pull:MODE OUT   the pull, MODE gather
+    python tests/distributed/jobs/dist_keys_worker.py fusion OUT      21 small tensors in one pushpull call
+    python tests/distributed/jobs/dist_keys_worker.py mismatch OUT    rank 1 has a differently shaped model
+    python tests/distributed/jobs/dist_keys_worker.py pull:MODE OUT   the pull, MODE gather
         (compress_pull='gather') or dense (compress_pull=False): random gradients
         through layers cut into several chunks, a checkpoint and a resume; writes
         OUT.npz too
-    python tests/dist_keys_worker.py startup:SEED OUT  keys made between and inside
+    python tests/distributed/jobs/dist_keys_worker.py startup:SEED OUT  keys made between and inside
         exchanges (new layers and new buckets mid-training), every call to MXNet's
         store delayed at random (seeded by SEED and rank), compress_pull by SEED % 2:
         the sums must be exact
-    python tests/dist_keys_worker.py stall OUT      exchanges until the job is stopped,
+    python tests/distributed/jobs/dist_keys_worker.py stall OUT      exchanges until the job is stopped,
         writing the last completed step to OUT after each (the test stops a server);
         stall:SECONDS: the same with stall_timeout=SECONDS instead of the default bound
-    python tests/dist_keys_worker.py fp16 OUT       a layer in 3 chunks with the fp16 codec
+    python tests/distributed/jobs/dist_keys_worker.py fp16 OUT       a layer in 3 chunks with the fp16 codec
         (policy), 3 steps of seeded gradients; writes OUT.npz too
-    python tests/dist_keys_worker.py recheck OUT    the cost model measured again mid-run
+    python tests/distributed/jobs/dist_keys_worker.py recheck OUT    the cost model measured again mid-run
         (real probes; its numbers forced slow, fast, slow, fast): layers re-planned dense,
         compressed, dense again; random gradients; writes the sums sent and received
         to OUT.npz
-    python tests/dist_keys_worker.py drift OUT      a Trainer's 12 steps with the cost
+    python tests/distributed/jobs/dist_keys_worker.py drift OUT      a Trainer's 12 steps with the cost
         model's drift checks every 3 steps (window 2); the exchange times are forced:
         rank 0's 10x slower from step 7, rank 1's steady; writes, per step, the drift
         measurements so far, and the parameters to OUT.npz
-    python tests/dist_keys_worker.py order:HOW OUT  a small conv net trained 4 steps by a
+    python tests/distributed/jobs/dist_keys_worker.py order:HOW OUT  a small conv net trained 4 steps by a
         gluon.Trainer, its step exchanged in one call as backward writes the gradients
         (HOW=step, the store's hook, overlap on), in one call once backward has ended
         (HOW=nooverlap: hylo.OVERLAP = False) or by Gluon's own loop, one key at a
         time in order (HOW=serial); the first layer's backward is made late (0.8 s);
         writes the parameters to OUT.npz and, per step, when backward ended and when
         each layer's push left (perf_counter)
-    python tests/dist_keys_worker.py route:HOW OUT  a conv net (one layer cut over the
+    python tests/distributed/jobs/dist_keys_worker.py route:HOW OUT  a conv net (one layer cut over the
         servers) trained 3 steps by a gluon.Trainer with momentum SGD, Gluon's default
         update_on_kvstore: HOW=servers (a hylo store, server_update=True), dist_sync
         (MXNet's own store), auto (a hylo store, server_update='auto') or
@@ -38,7 +38,7 @@
         servers, the Trainer's learning rate and momentum set to 0, 2 more steps and
         trainer.save_states; writes the parameters after the 3 steps (and after the 2)
         to OUT.npz
-    python tests/dist_keys_worker.py broadcast OUT  parameters broadcast from rank 0
+    python tests/distributed/jobs/dist_keys_worker.py broadcast OUT  parameters broadcast from rank 0
         (large and small, float16, in place); OUT.npz: what was sent and got
 OUT may contain {rank}; the worker writes its results there as JSON.
 """
@@ -452,7 +452,7 @@ def recheck():
     """Layers compressed, then dense, compressed and dense again, by recheck_costs;
     the cost model's probes are real, only its fitted wire numbers are forced. The
     residual's bound is off: what is tested is that a re-plan loses nothing error
-    feedback holds (the bound drops by design: tests/test_bounded_residual.py)."""
+    feedback holds (the bound drops by design: tests/integration/test_bounded_residual.py)."""
     from mxhylo.kvstore import stages
     from mxhylo.kvstore.cost_model import CostModel, WireCost
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def launch(tmp_path, tag, *args, workers=2, servers=2, epochs=10):
@@ -109,7 +109,7 @@ def launch_keys_worker(tmp_path, mode, *launch_args, timeout=120):
     out = str(tmp_path / (mode + "-{rank}.json"))
     cmd = [sys.executable, "-m", "mxhylo.launch", "-n", "2", "-s", "2", "--timeout",
            str(timeout)] + list(launch_args) + [
-           sys.executable, os.path.join(ROOT, "tests", "dist_keys_worker.py"), mode, out]
+           sys.executable, os.path.join(ROOT, "tests", "distributed", "jobs", "dist_keys_worker.py"), mode, out]
     start = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 60)
     return proc, out, time.time() - start
@@ -160,7 +160,7 @@ def test_a_stopped_server_ends_the_job_with_a_message(tmp_path, mode, launcher_a
     import signal
     out = str(tmp_path / "stall-{rank}.txt")
     cmd = [sys.executable, "-m", "mxhylo.launch", "-n", "2", "-s", "2", "--timeout", "200"] + \
-        launcher_args + [sys.executable, os.path.join(ROOT, "tests", "dist_keys_worker.py"),
+        launcher_args + [sys.executable, os.path.join(ROOT, "tests", "distributed", "jobs", "dist_keys_worker.py"),
                          mode, out]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -398,7 +398,7 @@ def test_servers_route_equals_dist_sync_and_takes_a_new_learning_rate(tmp_path):
     cut over both servers), bitwise what MXNet's dist_sync gives; a learning rate and
     momentum set to 0 on the Trainer reach the servers (the weights stop: under
     dist_sync they would go on moving with the servers' momentum); the store stays the
-    Trainer's, trainer.save_states saves (tests/test_server_states.py: what), and a
+    Trainer's, trainer.save_states saves (tests/distributed/test_server_states.py: what), and a
     last, smaller batch steps (Gluon refuses it with MXNet's own store)."""
     reports, arrays = _route_run(tmp_path, "servers")
     dense_reports, dense = _route_run(tmp_path, "dist_sync")

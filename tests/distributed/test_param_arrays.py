@@ -10,7 +10,7 @@ only gradients (through views: backward leaves gradients in MXNet's layout, chec
 here) and broadcasts into whole parameter arrays (kvstore.transport_ps).
 
 In one process: the servers' route against stand-in servers. Through real servers:
-tests/dist_scripts/bn_eval.py, a BatchNorm conv net evaluated between steps, on each
+tests/distributed/jobs/bn_eval.py, a BatchNorm conv net evaluated between steps, on each
 route and under MXNet's dist_sync.
 """
 import ctypes
@@ -29,7 +29,7 @@ from mxhylo.kvstore.ps_keys import Chunk
 from mxhylo.kvstore.server_route import ServerRoute
 from mxhylo.kvstore.wire import ChunkLayout
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SERVER_LR = 0.5     # the stand-in servers' optimizer: w -= SERVER_LR * sum of pushes
 
 
@@ -227,17 +227,17 @@ def test_gradients_stay_in_mxnets_layout(hybridize):
 
 # after the first evaluation each batch waits behind a matrix product of this size, so
 # that a step's pulls are queued before its training forward turns the weights back
-# into MXNet's layout (tests/dist_scripts/bn_eval.py --hold): the crash, every time
+# into MXNet's layout (tests/distributed/jobs/bn_eval.py --hold): the crash, every time
 HOLD = 1000
 ROUTES = ("servers", "workers", "dist_sync")
 
 
 def _bn_eval(tmp_path, store):
-    """Run tests/dist_scripts/bn_eval.py on 2 workers and 1 server with ``store``;
+    """Run tests/distributed/jobs/bn_eval.py on 2 workers and 1 server with ``store``;
     the workers' reports (rank order)."""
     out = str(tmp_path / (store + "-{rank}.json"))
     cmd = [sys.executable, "-m", "mxhylo.launch", "-n", "2", "-s", "1", "--timeout", "120",
-           sys.executable, os.path.join(ROOT, "tests", "dist_scripts", "bn_eval.py"),
+           sys.executable, os.path.join(ROOT, "tests", "distributed", "jobs", "bn_eval.py"),
            "--out", out, "--steps", "4", "--hold", str(HOLD)]
     env = dict(os.environ, BN_EVAL_STORE=store)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)

@@ -2,7 +2,7 @@
 
 The store's measurements are replaced by fixed models (a slow network, then a fast
 one, then slow again), so the plans change at known steps; the distributed version,
-with real probes over the parameter server, is in tests/test_dist.py.
+with real probes over the parameter server, is in tests/distributed/test_dist.py.
 """
 import mxnet as mx
 import numpy as np

@@ -1,4 +1,4 @@
-"""One user script (tests/user_scripts/train_eval.py: a small Gluon conv net on a
+"""One user script (tests/distributed/jobs/train_eval.py: a small Gluon conv net on a
 synthetic image set, trained 3 steps, evaluated, its Trainer's states saved) run as
 real multi-process jobs of 2 workers (and 1 server where there are servers), the ways
 users start them:
@@ -39,9 +39,9 @@ from proc_helpers import processes_mentioning
 
 from mxhylo import launch as mxhylo_launch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "tests", "user_scripts", "train_eval.py")
-BUSY = os.path.join(ROOT, "tests", "user_scripts", "busy.py")
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SCRIPT = os.path.join(ROOT, "tests", "distributed", "jobs", "train_eval.py")
+BUSY = os.path.join(ROOT, "tests", "distributed", "jobs", "busy.py")
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 PY = sys.executable
 

@@ -1,6 +1,6 @@
-"""One Horovod worker of tests/test_horovod.py, started by horovodrun --gloo.
+"""One Horovod worker of tests/distributed/test_horovod.py, started by horovodrun --gloo.
 
-    horovodrun -np 2 -H localhost:2 --gloo python tests/hvd_worker.py MODE OUT_DIR
+    horovodrun -np 2 -H localhost:2 --gloo python tests/distributed/jobs/hvd_worker.py MODE OUT_DIR
 
 MODE:
   hylo  a small conv net (one conv_topk layer, one fc_2bit layer, small 'none' layers)
