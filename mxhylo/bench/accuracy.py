@@ -28,9 +28,8 @@ import time
 import numpy as np
 
 from . import jobs, report
-from .comm import hylo_options
-from .modes import ALIASES, describe, mode, parse_modes
-from .modes import PushThenPull  # noqa: F401  (2-bit over the servers, for scripts)
+from .modes import ALIASES, describe, hylo_options, mode, parse_modes
+from .modes import PushThenPull  # noqa: F401  (MXNet's 2-bit under gluon.Trainer)
 from ..digits import LR_SCHEDULES
 
 log = report.logger("accuracy")

@@ -26,7 +26,7 @@ import sys
 import time
 
 from . import jobs, netns, report
-from .modes import HEADLINE, MODES, describe, mode, parse_modes
+from .modes import HEADLINE, MODES, describe, hylo_options, mode, parse_modes
 
 log = report.logger("comm")
 DEFAULT_MODELS = ("resnet50_v1b", "vgg16", "alexnet")
@@ -50,24 +50,6 @@ def add_arguments(parser):
     parser.add_argument("--hylo-options", default="{}",
                         help="JSON object of mxhylo.create options for every hylo mode")
     parser.add_argument("--seed", type=int, default=0, help="seed of the gradients")
-
-
-def hylo_options(text):
-    try:
-        options = json.loads(text)
-    except ValueError as err:
-        raise ValueError("--hylo-options is not JSON: %s" % err)
-    if not isinstance(options, dict):
-        raise ValueError("--hylo-options must be a JSON object, e.g. '{\"warmup_steps\": "
-                         "0}', got %r" % (text,))
-    return options
-
-
-def parse_list(text, what):
-    items = [t.strip() for t in str(text).split(",") if t.strip()]
-    if not items:
-        raise ValueError("no %s given" % what)
-    return items
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -138,10 +120,10 @@ def job_timeout(summary, workers, exchanges):
 
 # ----------------------------------------------------------------------------- summaries
 
-def slowest(results, get):
-    """Per timed step: the largest ``get(step)`` over the workers."""
-    n = min(len(r["steps"]) for r in results)
-    return [max(get(r["steps"][i]) for r in results) for i in range(n)]
+def slowest(results, get, part="steps"):
+    """Per timed step: the largest ``get(step)`` over the workers' ``part``."""
+    n = min(len(r[part]) for r in results)
+    return [max(get(r[part][i]) for r in results) for i in range(n)]
 
 
 def wire_summary(before, after, exchanges):
@@ -197,92 +179,59 @@ def summarise(results, counters, exchanges):
 def run(args):
     """One record per rate of --rate; with several rates, a sweep record of them."""
     try:
-        rates = parse_list(args.rate, "rate")
-        for rate in rates:
-            netns.parse_rate(rate)
-        parse_modes(args.modes)
-    except ValueError as err:
-        raise SystemExit("mxhylo.bench comm: %s" % err)
-    reason = netns.check_capable()
-    if reason:
-        raise SystemExit("mxhylo.bench comm: " + reason)
-    shapes = shapes_in_subprocess(parse_list(args.models, "model"), args.image_size)
-    if len(rates) == 1:
-        return run_rate(args, rates[0], shapes)
-    per_rate = {}
-    for rate in rates:
-        log("=== rate %s ===" % rate)
-        per_rate[rate] = run_rate(args, rate, shapes)
-    out = report.sweep("comm", rates, per_rate)
-    for line in out["table"]:
-        log(line)
-    return out
-
-
-def run_rate(args, rate, shapes):
-    W, S = args.workers, args.servers
-    try:
-        if W < 1 or S < 1 or args.steps < 1 or args.warmup < 0:
-            raise ValueError("need -n, -s and --steps >= 1, --warmup >= 0")
-        rate_bps, modes = netns.parse_rate(rate), parse_modes(args.modes)
-        bad = [m for m in modes if mode(m).batch_schedule]
-        if bad:
-            raise ValueError("%s train with a growing batch: bench train --tta only"
-                             % ", ".join(bad))
-        topo = netns.Topology(["scheduler"] + ["server%d" % i for i in range(S)]
-                              + ["worker%d" % i for i in range(W)], rate_bps,
-                              netns.parse_time(args.delay) if args.delay else 0.0,
-                              netns.parse_role_rates(args.role_rate))
+        models = [m.strip() for m in args.models.split(",") if m.strip()]
+        modes = parse_modes(args.modes, [m for m in MODES if not MODES[m].batch_schedule])
         options = hylo_options(args.hylo_options)
+        if not models or args.steps < 1 or args.warmup < 0:
+            raise ValueError("need --models, --steps >= 1 and --warmup >= 0")
+        for rate in args.rate.split(","):
+            netns.topology(args, rate)
     except ValueError as err:
         raise SystemExit("mxhylo.bench comm: %s" % err)
-    models = list(shapes)
-    summaries = {m: model_summary(shapes[m], W, S, rate_bps) for m in models}
-    out = report.new("comm", {
-        "workers": W, "servers": S, "rate": rate, "role_rates": args.role_rate,
-        "delay": args.delay, "tbf_burst_bytes": netns.tbf_burst_bytes(rate_bps),
-        "steps": args.steps, "warmup": args.warmup, "grad_scale": args.grad_scale,
-        "image_size": args.image_size, "models": models, "modes": modes,
-        "hylo_options": options, "seed": args.seed}, notes=[
+    shapes = {}
+
+    def at_rate(a):                     # the models' shapes once, after the checks
+        if not shapes:
+            shapes.update(shapes_in_subprocess(models, args.image_size))
+        return run_rate(a, modes, options, shapes)
+    return jobs.over_rates("comm", args, at_rate, log)
+
+
+def run_rate(args, modes, options, shapes):
+    W, S = args.workers, args.servers
+    topo, rate_bps = netns.topology(args, args.rate), netns.parse_rate(args.rate)
+    summaries = {m: model_summary(shapes[m], W, S, rate_bps) for m in shapes}
+    out = report.new("comm", dict(
+        report.options(args), models=list(shapes), modes=modes, hylo_options=options,
+        tbf_burst_bytes=netns.tbf_burst_bytes(rate_bps)), notes=[
         "an emulated cluster: %d processes in network namespaces on one machine's %s "
         "cores, links shaped with tc; at high rates the CPU, not the link, is the bound"
         % (1 + S + W, os.cpu_count()),
         "seconds: median over the timed exchanges of the slowest worker's, after the "
         "store's start-up and the warm-up exchanges",
         "wire bytes: interface counters per exchange; push = workers' tx, pull = rx"])
-    out["modes"] = describe(modes)
-    out["models"] = summaries
-    out["results"] = {}
+    out.update(modes=describe(modes), models=summaries, results={})
+    port = jobs.PS_PORT
     with jobs.Run(topo, args.keep_tmp, log) as run_:
-        port = jobs.PS_PORT
-        for model in models:
+        for model in shapes:
             per_mode = out["results"][model] = {}
             for m in modes:
-                if mode(m).launch == "horovod" and not jobs.horovod_available():
-                    per_mode[m] = {"status": "skipped: horovod.mxnet is not installed"}
+                per_mode[m] = jobs.unavailable(m)
+                if per_mode[m]:
                     continue
-                timeout = args.timeout or job_timeout(summaries[model], W,
-                                                      args.steps + args.warmup)
-                log("%s / %s (time limit %.0f s)..." % (model, m, timeout))
-                t0 = time.monotonic()
                 cfg = {"task": "exchange", "mode": m, "workers": W, "servers": S,
                        "keys": [p["key"] for p in shapes[model]],
                        "shapes": [p["shape"] for p in shapes[model]],
                        "steps": args.steps, "warmup": args.warmup, "seed": args.seed,
                        "grad_scale": args.grad_scale, "hylo_options": options}
-                job_dir = os.path.join(run_.tmp, "%s-%s" % (model, m))
-                os.makedirs(job_dir)
-                try:
-                    results, counters, _ = jobs.run_job(cfg, job_dir, timeout, topo, port,
-                                                        worker_threads=0)
-                    r = per_mode[m] = summarise(results, counters, args.steps)
+                t0 = time.monotonic()
+                got, per_mode[m] = run_.job(cfg, "%s-%s" % (model, m), args.timeout or job_timeout(
+                    summaries[model], W, args.steps + args.warmup), port, worker_threads=0)
+                port += 1
+                if got:
+                    r = per_mode[m] = summarise(got[0], got[1], args.steps)
                     r["job_seconds"] = time.monotonic() - t0
                     log("  %.3f s per exchange (job %.0f s)" % (r["seconds"], r["job_seconds"]))
-                except jobs.JobError as err:
-                    run_.failed = True
-                    per_mode[m] = {"status": "failed: %s" % err, "log_tail": err.log_tail}
-                    log("  FAILED: %s" % err)
-                port += 1
             report.compare(per_mode, "seconds", ("dist_sync", "horovod_dense"))
     out["table"] = table(out)
     for line in out["table"]:

@@ -17,6 +17,7 @@ Where it runs:
 * on this machine (no topology): ``python -m mxhylo.launch`` or ``horovodrun``, or
   with no servers one process and no job.
 """
+import argparse
 import collections
 import contextlib
 import json
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 
-from . import netns, rendezvous
+from . import netns, rendezvous, report
 from .modes import mode
 from .. import launch, procs
 
@@ -277,6 +278,32 @@ def run_job(cfg, job_dir, timeout, topo=None, port=PS_PORT, worker_threads=1):
     return results, counters, cpu
 
 
+def over_rates(suite, args, run_rate, log):
+    """``run_rate(args)`` at each rate of --rate: its record, or with several rates the
+    sweep record of them all (report.sweep)."""
+    rates = [r.strip() for r in str(args.rate).split(",") if r.strip()]
+    reason = netns.check_capable()
+    if reason:
+        raise SystemExit("mxhylo.bench %s: %s" % (suite, reason))
+    if len(rates) == 1:
+        return run_rate(args)
+    per_rate = {}
+    for rate in rates:
+        log("=== rate %s ===" % rate)
+        per_rate[rate] = run_rate(argparse.Namespace(**dict(vars(args), rate=rate)))
+    out = report.sweep(suite, rates, per_rate)
+    for line in out["table"]:
+        log(line)
+    return out
+
+
+def unavailable(name):
+    """Why mode ``name`` cannot run here, as a record's status, or None."""
+    if mode(name).launch == "horovod" and not horovod_available():
+        return {"status": "skipped: horovod.mxnet is not installed"}
+    return None
+
+
 class Run:
     """One benchmark run in the emulated cluster: ``with Run(topo, keep_tmp, log) as
     run:`` creates the namespaces and a job folder (``run.tmp``), turns SIGTERM and
@@ -299,6 +326,19 @@ class Run:
             raise
         self.log("namespaces %s* up: %d roles" % (self.topo.prefix, len(self.topo.roles)))
         return self
+
+    def job(self, cfg, name, timeout, port, worker_threads=1):
+        """((results, counters, cpu), None) of one job in this run, or (None, its failed
+        status) with its log kept."""
+        job_dir = os.path.join(self.tmp, name)
+        os.makedirs(job_dir)
+        self.log("%s (time limit %.0f s)..." % (name, timeout))
+        try:
+            return run_job(cfg, job_dir, timeout, self.topo, port, worker_threads), None
+        except JobError as err:
+            self.failed = True
+            self.log("  FAILED: %s\n%s" % (err, err.log_tail[-1500:]))
+            return None, {"status": "failed: %s" % err, "log_tail": err.log_tail}
 
     def __exit__(self, exc_type, exc, tb):
         old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a cleanup cut short

@@ -93,6 +93,19 @@ def parse_modes(text, allowed=None):
     return names
 
 
+def hylo_options(text):
+    """--hylo-options: a JSON object of mxhylo.create options; ValueError otherwise."""
+    import json
+    try:
+        options = json.loads(text)
+    except ValueError as err:
+        raise ValueError("--hylo-options is not JSON: %s" % err)
+    if not isinstance(options, dict):
+        raise ValueError("--hylo-options must be a JSON object, e.g. '{\"warmup_steps\": "
+                         "0}', got %r" % (text,))
+    return options
+
+
 def describe(names):
     return {n: mode(n).help for n in names}
 

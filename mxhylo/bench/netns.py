@@ -55,6 +55,16 @@ def add_arguments(parser):
                    help="keep the job folders (configs, logs, results)")
 
 
+def topology(args, rate, tag=None):
+    """The Topology of the options (-n, -s, --delay, --role-rate) at ``rate``."""
+    if args.workers < 1 or args.servers < 1:
+        raise ValueError("need at least one worker and one server")
+    return Topology(["scheduler"] + ["server%d" % i for i in range(args.servers)]
+                    + ["worker%d" % i for i in range(args.workers)], parse_rate(rate),
+                    parse_time(args.delay) if args.delay else 0.0,
+                    parse_role_rates(args.role_rate), tag)
+
+
 def parse_rate(text):
     """A tc rate ('1gbit', '100mbit', '125mbps' = bytes/s) in bits per second; 'none':
     math.inf (unshaped: no tbf)."""
@@ -245,9 +255,3 @@ class Topology:
 
     def exec_prefix(self, role):
         return ["ip", "netns", "exec", self.ns(role)]
-
-    def __enter__(self):
-        return self.create()
-
-    def __exit__(self, *exc):
-        self.destroy()

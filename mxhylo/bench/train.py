@@ -30,16 +30,15 @@ rate; rank 0 evaluates after every epoch. Per mode and seed: training seconds to
 first evaluation at or above ``--target`` (the clock stops while rank 0 evaluates),
 epochs, final accuracy; over the seeds, paired accuracy gaps and the speedups.
 """
-import argparse
 import hashlib
 import os
 import statistics
 import time
 
 from . import jobs, netns, report
-from .comm import (hylo_options, hylo_summary, model_summary, parse_list,
-                   shapes_in_subprocess, wire_summary, CPU_BYTES_PER_S)
-from .modes import HEADLINE, MODES, describe, mode, parse_modes
+from .comm import (CPU_BYTES_PER_S, hylo_summary, model_summary, shapes_in_subprocess,
+                   slowest, wire_summary)
+from .modes import HEADLINE, MODES, describe, hylo_options, mode, parse_modes
 
 log = report.logger("train")
 FULL_SIZE_MODELS = ("vgg", "alexnet")     # their classifier's shape follows the input
@@ -102,16 +101,14 @@ def image_size_for(model, image_size=None):
 
 
 def check_args(args):
-    """The parsed options (rates, modes, models, image sizes, hylo options, batch
-    schedule), or ValueError saying what is wrong."""
-    if args.workers < 1 or args.servers < 1:
-        raise ValueError("need at least one worker and one server")
-    out = {"rates": parse_list(args.rate, "rate"), "modes": parse_modes(args.modes),
-           "hylo_options": hylo_options(args.hylo_options)}
-    for rate in out["rates"]:
-        netns.parse_rate(rate)
+    """The parsed options (modes, models, image sizes, hylo options, batch schedule), or
+    ValueError saying what is wrong."""
+    rates = [r for r in args.rate.split(",") if r.strip()]
+    for rate in rates:
+        netns.topology(args, rate)
+    out = {"modes": parse_modes(args.modes), "hylo_options": hylo_options(args.hylo_options)}
     if args.tta:
-        if len(out["rates"]) > 1:
+        if len(rates) > 1:
             raise ValueError("--tta runs at one --rate, got %s" % args.rate)
         if not 0.0 < args.target <= 1.0:
             raise ValueError("--target is an accuracy in (0, 1], got %g" % args.target)
@@ -120,22 +117,17 @@ def check_args(args):
                              "--tta-size >= 8")
         out["batch_schedule"] = [float(e) for e in args.tta_batch_schedule.split(",") if e]
         out["models"] = [args.tta_model]
-    else:
-        if args.steps < 1 or args.warmup < 0 or args.stream_steps < 0:
-            raise ValueError("--steps must be >= 1, --warmup and --stream-steps >= 0")
-        if [m for m in out["modes"] if mode(m).batch_schedule]:
-            raise ValueError("the *_dynamic modes run with --tta only")
-        out["models"] = parse_list(args.models, "model")
-        out["image_sizes"] = {m: image_size_for(m, args.image_size) for m in out["models"]}
+        return out
+    if args.steps < 1 or args.warmup < 0 or args.stream_steps < 0:
+        raise ValueError("--steps must be >= 1, --warmup and --stream-steps >= 0")
+    if [m for m in out["modes"] if mode(m).batch_schedule]:
+        raise ValueError("the *_dynamic modes run with --tta only")
+    out["models"] = [m.strip() for m in args.models.split(",") if m.strip()]
+    out["image_sizes"] = {m: image_size_for(m, args.image_size) for m in out["models"]}
     return out
 
 
 # ----------------------------------------------------------------------------- summaries
-
-def slowest(results, get, part="rounds"):
-    n = min(len(r[part]) for r in results)
-    return [max(get(r[part][i]) for r in results) for i in range(n)]
-
 
 def exchange_cpu(results, cpu_before, cpu_after, exchanges):
     """CPU seconds the exchange costs a step: per worker the median full step's minus
@@ -165,7 +157,7 @@ def summarise_speed(results, counters, cpu, steps):
     for key, get in (("step", lambda x: x["full"]["seconds"]),
                      ("fwd_bwd", lambda x: x["split"]["fwd_bwd_s"]),
                      ("exchange", lambda x: x["split"]["exchange_s"])):
-        res[key] = report.spread(slowest(results, get))
+        res[key] = report.spread(slowest(results, get, "rounds"))
         res[key + "_s"] = res[key]["median"]
     res["overlap_s"] = res["fwd_bwd_s"] + res["exchange_s"] - res["step_s"]
     if all(r["stream"] for r in results):
@@ -248,76 +240,29 @@ def summarise_tta(runs, baseline="dist_sync"):
 def run(args):
     """One record per rate of --rate; with several rates, a sweep record of them."""
     try:
-        rates = check_args(args)["rates"]
-    except ValueError as err:
-        raise SystemExit("mxhylo.bench train: %s" % err)
-    if len(rates) == 1:
-        return run_rate(args)
-    per_rate = {}
-    for rate in rates:
-        log("=== rate %s ===" % rate)
-        per_rate[rate] = run_rate(argparse.Namespace(**dict(vars(args), rate=rate)))
-    out = report.sweep("train", rates, per_rate)
-    for line in out["table"]:
-        log(line)
-    return out
-
-
-def run_rate(args):
-    try:
         parsed = check_args(args)
-        W, S = args.workers, args.servers
-        topo = netns.Topology(["scheduler"] + ["server%d" % i for i in range(S)]
-                              + ["worker%d" % i for i in range(W)],
-                              netns.parse_rate(args.rate),
-                              netns.parse_time(args.delay) if args.delay else 0.0,
-                              netns.parse_role_rates(args.role_rate), tag="train")
     except ValueError as err:
         raise SystemExit("mxhylo.bench train: %s" % err)
-    reason = netns.check_capable()
-    if reason:
-        raise SystemExit("mxhylo.bench train: " + reason)
-    config = {"workers": W, "servers": S, "rate": args.rate, "role_rates": args.role_rate,
-              "delay": args.delay, "modes": parsed["modes"], "momentum": args.momentum,
-              "wd": args.wd, "hylo_options": parsed["hylo_options"], "seed": args.seed,
-              "worker_threads": args.worker_threads, "hybridize": args.hybridize}
+    return jobs.over_rates("train", args, lambda a: run_rate(a, parsed), log)
+
+
+def run_rate(args, parsed):
+    W, S = args.workers, args.servers
+    config = dict(report.options(args), task="tta" if args.tta else "speed", **parsed)
     out = report.new("train", config, notes=[
         "an emulated cluster: %d processes in network namespaces on one machine's %d "
         "cores, links shaped with tc" % (1 + S + W, os.cpu_count())])
     out["modes"] = describe(parsed["modes"])
-    with jobs.Run(topo, args.keep_tmp, log) as run_:
-        (run_tta if args.tta else run_speed)(args, parsed, out, topo, run_)
+    with jobs.Run(netns.topology(args, args.rate, "train"), args.keep_tmp, log) as run_:
+        (run_tta if args.tta else run_speed)(args, parsed, out, run_)
     out["table"] = (tta_table if args.tta else speed_table)(out)
     for line in out["table"]:
         log(line)
     return out
 
 
-def _job(run_, topo, cfg, name, timeout, port, threads):
-    """(results, counters, cpu) of one job, or a failed status."""
-    job_dir = os.path.join(run_.tmp, name)
-    os.makedirs(job_dir)
-    log("%s (time limit %.0f s)..." % (name, timeout))
-    try:
-        return jobs.run_job(cfg, job_dir, timeout, topo, port, threads), None
-    except jobs.JobError as err:
-        run_.failed = True
-        log("  FAILED: %s\n%s" % (err, err.log_tail[-1500:]))
-        return None, {"status": "failed: %s" % err, "log_tail": err.log_tail}
-
-
-def skipped(m):
-    if mode(m).launch == "horovod" and not jobs.horovod_available():
-        return {"status": "skipped: horovod.mxnet is not installed"}
-    return None
-
-
-def run_speed(args, parsed, out, topo, run_):
+def run_speed(args, parsed, out, run_):
     W, S = args.workers, args.servers
-    out["config"].update(task="speed", models=parsed["models"],
-                         image_sizes=parsed["image_sizes"], batch_size=args.batch_size,
-                         classes=args.classes, lr=args.lr, steps=args.steps,
-                         warmup=args.warmup, stream_steps=args.stream_steps)
     out["models"], out["results"] = {}, {}
     port = jobs.PS_PORT
     for model in parsed["models"]:
@@ -327,7 +272,7 @@ def run_speed(args, parsed, out, topo, run_):
             image_size=size)
         per_mode = out["results"][model] = {}
         for m in parsed["modes"]:
-            per_mode[m] = skipped(m)
+            per_mode[m] = jobs.unavailable(m)
             if per_mode[m]:
                 continue
             exchanges = 2 * (args.steps + args.warmup) + args.stream_steps + 40
@@ -341,11 +286,10 @@ def run_speed(args, parsed, out, topo, run_):
                    "stream_steps": args.stream_steps, "seed": args.seed,
                    "hybridize": args.hybridize, "hylo_options": parsed["hylo_options"]}
             t0 = time.monotonic()
-            got, failed = _job(run_, topo, cfg, "%s-%s" % (model, m), timeout, port,
-                               args.worker_threads)
+            got, per_mode[m] = run_.job(cfg, "%s-%s" % (model, m), timeout, port,
+                                        args.worker_threads)
             port += 1
-            if failed:
-                per_mode[m] = failed
+            if not got:
                 continue
             r = per_mode[m] = summarise_speed(*got, args.steps)
             r["job_seconds"] = time.monotonic() - t0
@@ -377,7 +321,7 @@ def digits_records(folder, size, tmp):
     return out
 
 
-def run_tta(args, parsed, out, topo, run_):
+def run_tta(args, parsed, out, run_):
     W, S, model = args.workers, args.servers, parsed["models"][0]
     data = digits_records(args.tta_data, args.tta_size, run_.tmp)
     with open(data["train_idx"]) as f:
@@ -388,18 +332,14 @@ def run_tta(args, parsed, out, topo, run_):
                          "one batch of %d each" % (n_train, W, args.tta_batch_size))
     summary = model_summary(shapes_in_subprocess([model], args.tta_size)[model], W, S,
                             netns.parse_rate(args.rate))
-    out["config"].update(task="tta", model=model, image_size=args.tta_size, classes=10,
-                         batch_size=args.tta_batch_size, lr=args.tta_lr,
-                         epochs=args.tta_epochs, target=args.target, seeds=args.seeds,
-                         train_images=n_train, steps_per_epoch=spe,
-                         batch_schedule=parsed["batch_schedule"], batch_lr=args.tta_batch_lr)
+    out["config"].update(train_images=n_train, steps_per_epoch=spe)
     out["model_summary"] = summary
     runs = out["runs"] = {m: [] for m in parsed["modes"]}
     log_file = report.RunLog(args.json + ".runs.jsonl" if args.json else None)
     port = jobs.PS_PORT
     for seed in range(args.seed, args.seed + args.seeds):
         for m in parsed["modes"]:           # interleaved: a drift in load hits all alike
-            r = skipped(m)
+            r = jobs.unavailable(m)
             if r is None:
                 timeout = args.timeout or 240.0 + args.tta_epochs * 20.0 + spe * \
                     args.tta_epochs * (6.0 * summary["dense_pull_floor_s"] + 2.0
@@ -411,8 +351,8 @@ def run_tta(args, parsed, out, topo, run_):
                            steps_per_epoch=spe, seed=seed, hybridize=args.hybridize,
                            hylo_options=parsed["hylo_options"],
                            batch_schedule=parsed["batch_schedule"], batch_lr=args.tta_batch_lr)
-                got, r = _job(run_, topo, cfg, "tta-%s-%d" % (m, seed), timeout, port,
-                              args.worker_threads)
+                got, r = run_.job(cfg, "tta-%s-%d" % (m, seed), timeout, port,
+                                  args.worker_threads)
                 port += 1
                 if got:
                     r = summarise_tta_run(got[0], args.target, got[1])
@@ -543,7 +483,7 @@ def plot_tta(out, path):
     ax.legend(fontsize=7, ncol=2)
     report.save(fig, path, report.caption(out, "time to accuracy: %s %d px on the digits, "
                                           "%d workers, %d servers, %s (emulated)" % (
-                                              cfg["model"], cfg["image_size"], cfg["workers"],
+                                              cfg["tta_model"], cfg["tta_size"], cfg["workers"],
                                               cfg["servers"], cfg["rate"])))
 
 
