@@ -111,11 +111,11 @@ def ring_allreduce_floor(dense_bytes, workers, rate_bps):
     return 2.0 * (workers - 1) / workers * dense_bytes / (rate_bps / 8.0)
 
 
-def job_timeout(summary, workers, exchanges):
-    """Start-up, a store's warm-up, then per exchange 6 dense-pull floors and the codecs'
-    CPU bound (unshaped links: the floor is 0)."""
-    return 120.0 + (exchanges + 40) * (6.0 * summary["dense_pull_floor_s"]
-                                       + workers * summary["dense_bytes"] / CPU_BYTES_PER_S)
+def job_timeout(summary, workers, exchanges, compute_s=0.0, start_s=120.0):
+    """Seconds for a job: start-up, a store's warm-up (40 exchanges), then per exchange
+    6 dense-pull floors, the codecs' CPU bound and ``compute_s``."""
+    return start_s + (exchanges + 40) * (6.0 * summary["dense_pull_floor_s"] + compute_s
+                                         + workers * summary["dense_bytes"] / CPU_BYTES_PER_S)
 
 
 # ----------------------------------------------------------------------------- summaries
@@ -224,9 +224,11 @@ def run_rate(args, modes, options, shapes):
                        "shapes": [p["shape"] for p in shapes[model]],
                        "steps": args.steps, "warmup": args.warmup, "seed": args.seed,
                        "grad_scale": args.grad_scale, "hylo_options": options}
+                timeout = args.timeout or job_timeout(summaries[model], W,
+                                                      args.steps + args.warmup)
                 t0 = time.monotonic()
-                got, per_mode[m] = run_.job(cfg, "%s-%s" % (model, m), args.timeout or job_timeout(
-                    summaries[model], W, args.steps + args.warmup), port, worker_threads=0)
+                got, per_mode[m] = run_.job(cfg, "%s-%s" % (model, m), timeout, port,
+                                            worker_threads=0)
                 port += 1
                 if got:
                     r = per_mode[m] = summarise(got[0], got[1], args.steps)

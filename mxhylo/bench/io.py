@@ -47,7 +47,8 @@ def add_arguments(parser):
                         help="step length / measured median decode time per batch (default 2)")
     parser.add_argument("--compute-ms", type=float, default=None,
                         help="fixed step length in ms instead of --compute-factor")
-    parser.add_argument("--workdir", default=None, help="where to pack the sample (default: a temp dir)")
+    parser.add_argument("--workdir", default=None,
+                        help="where to pack the sample (default: a temporary folder)")
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -1,40 +1,23 @@
-"""Compression operators: every ISA build of the C++ library vs memcpy, side by side.
+"""``python -m mxhylo.bench ops``: the compression operators of every ISA build of the
+C++ library against memcpy, side by side.
 
-One process can load only one build of the operator library into MXNet (the
-operator names would clash), so each ISA level (--isa, default native,
-x86-64-v3 = AVX2, x86-64 = the SSE2 baseline) is measured in a process of
-its own, and the levels take turns: round 1 runs native, v3, baseline, round
-2 again, ... (--rounds). Levels this CPU cannot run are reported as skipped,
-naming the missing CPU features (an AVX-512 machine measures the AVX2 build
-too: -march=x86-64-v3 has no AVX-512 instruction).
+Each ISA level (--isa: native, x86-64-v3 = AVX2, x86-64 = SSE2) is measured in a
+process of its own (one process loads one build), the levels taking turns for
+--rounds rounds; a level this CPU cannot run is reported as skipped, naming the
+missing features. A figure is gradient GB/s: 4 * --size bytes over the median of
+--repeats calls (mx.nd.waitall() around each), on one thread; memcpy is numpy's
+copy of as many bytes timed right before each call in the same process, so the
+ratio C++ / memcpy (the median over call pairs) is the figure to read on a shared
+machine. The record gives per operator and level the median and range over the
+rounds, and the NDArray reference's speed once.
 
-Figures are gradient GB/s: bytes of the dense float32 gradient a call stands
-for (4 * size) over the median wall time of --repeats calls
-(mx.nd.waitall() before and after each). memcpy GB/s is numpy's np.copyto of
-a float32 array of the same size, timed right before each timed call, in the
-same process: on a shared machine both see the same load, so the ratio
-C++ / memcpy is the figure to read (a round's ratio is the median over its
-call pairs of memcpy time / C++ time). Every round gives one ratio per
-operator and level; the report gives their median and range (min-max). Kernels run on one thread (the library has no threads).
-
-Operators and data: gradient ~ N(0, scale) float32 of --size elements
-(default 16M), viewed as (size / F, F) filters for the kernel operators with
-F = --filter (default 2304 = 256x3x3). quantize_2bit's threshold is the mean
-|g| (as the kvstore's adaptive threshold), and it is timed as the store calls it:
-paying the previous step's owed subtraction and leaving its own owed (pending=,
-defer=True: one pass over gradient and residual); quantize_2bit_eager is the
-call with nothing owed in or out (a second pass over the residual once the
-value is known), settle_2bit that second pass alone; select_kernels keeps --topk of the
-filters. dequantize_2bit writes into a preallocated `out` (as the server
-does) and its accumulate variant adds into it; scatter_kernels accumulate
-adds k filters into a dense array, so its "gradient GB/s" counts the whole
-dense array it stands for, not the k rows it touches. The NDArray reference
-is timed once, in the first round's native process.
-
-Each process also quantizes, selects and dequantizes a fixed input with
-edge values (NaN, Inf, zeros, an odd tail, fp16) and reports a digest of
-every output: `outputs_identical` says whether all levels agreed bit for bit
-(tests/unit/test_ops.py checks this in detail).
+The store's calls are timed as it makes them: quantize_2bit pays the previous step's
+owed subtraction and leaves its own (one pass); quantize_2bit_eager owes nothing (a
+second pass), settle_2bit is that pass alone; select_kernels keeps --topk of the
+(size / --filter, --filter) filters; dequantize writes into (or adds to) an output;
+scatter_kernels_accumulate counts the whole dense array it stands for. Each process
+also digests every operator's outputs on a fixed input with edge values (NaN, Inf,
+zeros, an odd tail, float16): ``outputs_identical`` says whether all levels agree.
 """
 import hashlib
 import json

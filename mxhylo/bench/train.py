@@ -36,7 +36,7 @@ import statistics
 import time
 
 from . import jobs, netns, report
-from .comm import (CPU_BYTES_PER_S, hylo_summary, model_summary, shapes_in_subprocess,
+from .comm import (hylo_summary, job_timeout, model_summary, shapes_in_subprocess,
                    slowest, wire_summary)
 from .modes import HEADLINE, MODES, describe, hylo_options, mode, parse_modes
 
@@ -275,10 +275,8 @@ def run_speed(args, parsed, out, run_):
             per_mode[m] = jobs.unavailable(m)
             if per_mode[m]:
                 continue
-            exchanges = 2 * (args.steps + args.warmup) + args.stream_steps + 40
-            timeout = args.timeout or 240.0 + exchanges * (
-                6.0 * summary["dense_pull_floor_s"]
-                + W * summary["dense_bytes"] / CPU_BYTES_PER_S + 10.0)
+            timeout = args.timeout or job_timeout(summary, W, 2 * (args.steps + args.warmup)
+                                                  + args.stream_steps, 10.0, 240.0)
             cfg = {"task": "speed", "mode": m, "model": model, "workers": W, "servers": S,
                    "image_size": size, "batch_size": args.batch_size,
                    "classes": args.classes, "lr": args.lr, "momentum": args.momentum,
@@ -341,9 +339,8 @@ def run_tta(args, parsed, out, run_):
         for m in parsed["modes"]:           # interleaved: a drift in load hits all alike
             r = jobs.unavailable(m)
             if r is None:
-                timeout = args.timeout or 240.0 + args.tta_epochs * 20.0 + spe * \
-                    args.tta_epochs * (6.0 * summary["dense_pull_floor_s"] + 2.0
-                                       + W * summary["dense_bytes"] / CPU_BYTES_PER_S)
+                timeout = args.timeout or job_timeout(summary, W, spe * args.tta_epochs, 2.0,
+                                                      240.0 + 20.0 * args.tta_epochs)
                 cfg = dict(data, task="tta", mode=m, model=model, workers=W, servers=S,
                            image_size=args.tta_size, classes=10,
                            batch_size=args.tta_batch_size, lr=args.tta_lr,
