@@ -3,10 +3,9 @@
 One run, same records for every row (the scikit-learn digits upscaled to --size and
 packed as JPEG with mxhylo.im2rec, in a temporary folder):
 
-1. Decode throughput (images/s, no training step): a plain single-process cv2 loop
-   (read record, imdecode, BGR->RGB, HWC->CHW float32 batch), ImageRecordIter used
-   directly (both backends), and RecordLoader not pipelined and pipelined (images
-   delivered to the loop; median of --repeats one-epoch runs).
+1. Decode throughput (images/s, no training step): ImageRecordIter used directly
+   (both backends), and RecordLoader not pipelined and pipelined (images delivered to
+   the loop; median of --repeats one-epoch runs).
 2. Input wait with a simulated compute step of fixed length per batch: the fraction
    of the loop's wall time spent waiting for the next batch, for RecordLoader not
    pipelined (prefetch=0: decode happens inside the loop), pipelined (prefetch>0),
@@ -97,31 +96,6 @@ def _wait_report(waits, total, step_s):
     }
 
 
-def _cv2_loop(rec, index, batch_size, size):
-    """Images/s of a plain single-thread cv2 decode of every record into float32 batches."""
-    import cv2
-
-    from mxhylo.io import recfile
-    from mxhylo.io.packing import unpack_record
-
-    threads = cv2.getNumThreads()
-    cv2.setNumThreads(1)
-    try:
-        out = np.empty((batch_size, 3, size, size), np.float32)
-        n, t0 = 0, time.perf_counter()
-        with open(rec, "rb") as f:
-            for pos, offset in enumerate(index.offsets):
-                payload = recfile.read_payload(f, int(offset))
-                image_bytes = unpack_record(payload)[3]
-                img = cv2.imdecode(np.frombuffer(image_bytes, np.uint8), cv2.IMREAD_COLOR)
-                img = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
-                out[pos % batch_size] = img.transpose(2, 0, 1)
-                n += 1
-        return n / (time.perf_counter() - t0)
-    finally:
-        cv2.setNumThreads(threads)
-
-
 def _record_iter(rec, idx, batch_size, size, backend, threads):
     import mxnet as mx
 
@@ -167,7 +141,6 @@ def run(args):
 
         probe = loader(0)
         n_images = probe.part_size
-        index = probe.index
         probe.close()
 
         # 1. decode throughput, nothing else in the loop; the median of --repeats epochs
@@ -179,7 +152,6 @@ def run(args):
             return n_images / total
 
         rows = {
-            "cv2_single_process_loop": lambda: _cv2_loop(rec, index, bs, size),
             "imagerecorditer_cpu_backend": lambda: _iter_throughput(
                 _record_iter(rec, idx, bs, size, "cpu", args.threads), 1, n_images),
             "imagerecorditer_prefetch_backend": lambda: _iter_throughput(
@@ -245,14 +217,7 @@ def run(args):
             },
             "decode_images_per_s": thr,
             "decode_ms_per_batch": round(decode_ms, 2),
-            "simulated_step": {
-                "kind": args.compute,
-                "why": "time.sleep: on a GPU the host thread waits while the device computes, "
-                       "leaving the CPU cores to the decoders; a busy loop would take one of "
-                       "the 2 cores (and the GIL) and model a CPU-bound step instead"
-                if args.compute == "sleep" else
-                "busy loop: models a CPU-bound step competing with the decoders for cores",
-            },
+            "simulated_step": args.compute,
             "wait": wait,
             "target": "pipelined wait_fraction < 0.05 when compute per batch > decode per batch",
             "target_runs": {"pipelined_runs_with_compute_longer_than_decode": len(qualifying),
@@ -264,3 +229,28 @@ def run(args):
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def plot(out, path):
+    """The loop's wait fraction per simulated step and loader, median and runs."""
+    plt = report.pyplot()
+    steps = list(out["wait"])
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    names = [n for n in out["wait"][steps[0]] if n != "compute_ms_per_batch"]
+    for j, name in enumerate(names):
+        xs = [i + (j - 1) * 0.26 for i in range(len(steps))]
+        ax.bar(xs, [100 * out["wait"][k][name]["wait_fraction_median"] for k in steps], 0.26,
+               label=name)
+        for x_, k in zip(xs, steps):
+            ax.plot([x_] * len(out["wait"][k][name]["runs"]),
+                    [100 * r["wait_fraction"] for r in out["wait"][k][name]["runs"]], "k.")
+    ax.axhline(5, color="r", ls=":", lw=1, label="5%")
+    ax.set_xticks(range(len(steps)))
+    ax.set_xticklabels(["%s (%.1f ms)" % (k, out["wait"][k]["compute_ms_per_batch"])
+                        for k in steps])
+    ax.set_ylabel("% of the loop's time waiting for a batch")
+    ax.legend(fontsize=8)
+    report.save(fig, path, report.caption(out, "io: RecordLoader, %d px, batch %d, a %s "
+                                          "step" % (out["setup"]["image_size"],
+                                                    out["setup"]["batch_size"],
+                                                    out["simulated_step"])))

@@ -128,3 +128,21 @@ def run(args):
         out["lars_minus_sgd_large"] = (results["lars_large"]["accuracy"]["mean"]
                                        - results["sgd_large"]["accuracy"]["mean"])
     return out
+
+
+def plot(out, path):
+    """Test accuracy per method: the mean over the seeds, and each seed."""
+    plt = report.pyplot()
+    names = list(out["results"])
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, name in enumerate(names):
+        acc = out["results"][name]["accuracy"]
+        ax.bar(i, 100 * acc["mean"], 0.6)
+        ax.plot([i] * acc["n"], [100 * v for v in acc["values"]], "k.")
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(["%s\nbatch %d" % (n, out["results"][n]["batch"]) for n in names])
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_ylim(max(0, min(100 * out["results"][n]["accuracy"]["min"] for n in names) - 5), 100)
+    cfg = out["config"]
+    report.save(fig, path, report.caption(out, "lars: digits_net, %d epochs, %s, %d seeds"
+                                          % (cfg["epochs"], cfg["dtype"], cfg["seeds"])))

@@ -196,3 +196,31 @@ def simulated_run(net_name, mode, workers, seed, epochs, batch_size, lr):
             "epochs": epochs, "batch_size": batch_size, "lr": lr, "accuracy": accuracy_,
             "steps": total, "seconds": time.time() - start,
             "strategies": {n: p.strategy for n, p in plans.items()}}
+
+
+def plot(out, path):
+    """Pull bytes against W (gather and sum pulls) and the simulated workers' accuracy."""
+    plt = report.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for model, got in out.get("bytes", {}).items():
+        ws = [r["workers"] for r in got["rows"]]
+        for key, style in (("gather_pull_fraction", "o--"), ("sum_pull_fraction", "s-")):
+            axes[0].plot(ws, [r[key] for r in got["rows"]], style,
+                         label="%s, %s" % (model, key.split("_")[0]))
+        axes[0].set(xscale="log", xticks=ws, xticklabels=ws, xlabel="workers",
+                    ylabel="pull per worker / dense bytes")
+        axes[0].minorticks_off()
+    axes[0].legend(fontsize=7)
+    paired = out.get("accuracy", {}).get("paired", {})
+    for i, (net, cell) in enumerate(paired.items()):
+        codecs = [c for c in cell if "-" not in c]
+        for j, c in enumerate(codecs):
+            axes[1].bar(i + (j - 1) * 0.26, 100 * cell[c]["mean"], 0.26,
+                        label=c if i == 0 else None, color="C%d" % j)
+    axes[1].set_xticks(range(len(paired)))
+    axes[1].set_xticklabels(list(paired))
+    axes[1].set(ylabel="test accuracy (%), mean over seeds")
+    if paired:
+        axes[1].legend(fontsize=7)
+    report.save(fig, path, report.caption(out, "scale: %s servers; %s simulated workers" % (
+        out["config"]["servers"], out["config"]["sim_workers"])))

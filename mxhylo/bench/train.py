@@ -457,6 +457,7 @@ def plot_speed(out, path):
         ax.set_title("%s, %d px, batch %d a worker" % (model, cfg["image_sizes"][model],
                                                        cfg["batch_size"]), fontsize=9)
         ax.set_ylabel("seconds (median of the slowest worker; bars: min-max)")
+        ax.margins(y=0.15)
         ax.legend(fontsize=8)
     report.save(fig, path, report.caption(out, "train: %d workers, %d servers, %s links "
                                           "(emulated on one machine); labels: x dist_sync, "
