@@ -24,8 +24,6 @@ import sys
 
 import numpy as np
 
-from proc_helpers import processes_mentioning
-
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 HERE = os.path.abspath(__file__)
 BATCH = 8           # samples per worker and step
@@ -136,6 +134,9 @@ def _run(folder, phase):
             out, _ = proc.communicate()
         out = "(the launcher outlived its bound)\n" + out
     finally:
+        # (imported here: this file is also the job's script, run without tests/ on
+        # its path)
+        from proc_helpers import processes_mentioning
         for pid in processes_mentioning(str(folder)):
             try:
                 os.kill(pid, signal.SIGKILL)
