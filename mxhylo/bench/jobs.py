@@ -366,10 +366,18 @@ class Run:
 
 @contextlib.contextmanager
 def local_folder(keep=False):
-    """A job folder on this machine, removed at the end unless ``keep``."""
+    """A job folder on this machine, removed at the end unless ``keep``; SIGTERM and
+    SIGHUP end the run like Ctrl-C (its job stopped, exit 130)."""
+    def interrupt(signum, frame):
+        raise Interrupted()
+    old = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     tmp = tempfile.mkdtemp(prefix="mxhylo-bench-")
     try:
         yield tmp
+    except (Interrupted, KeyboardInterrupt):
+        raise SystemExit(130)
     finally:
+        for s, h in old.items():
+            signal.signal(s, h)
         if not keep:
             shutil.rmtree(tmp, ignore_errors=True)
