@@ -1,16 +1,17 @@
 """The test run's options and markers.
 
-Tests live in three folders, by what they need: unit/ (numpy and the operators, no
-store), integration/ (a hylo store and MXNet in this process), distributed/ (jobs of
-several processes started as users start them; the scripts those jobs run are in
-distributed/jobs/). Each test is marked with its folder's name, so ``-m unit`` or
-``-m "not distributed"`` selects by kind. ``--runslow`` adds the heavier runs.
+Tests live in folders by what they need: unit/ (numpy and the operators, no store),
+integration/ (a hylo store and MXNet in this process), distributed/ (jobs of several
+processes started as users start them; the scripts those jobs run are in
+distributed/jobs/), and bench/ (the benchmark harness, python -m mxhylo.bench, not the
+product). Each test is marked with its folder's name, so ``-m unit`` or
+``-m "not bench"`` selects by kind. ``--runslow`` adds the heavier runs.
 """
 import os
 
 import pytest
 
-KINDS = ("unit", "integration", "distributed")
+KINDS = ("unit", "integration", "distributed", "bench")
 
 
 def pytest_addoption(parser):

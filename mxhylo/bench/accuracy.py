@@ -21,14 +21,13 @@ within 0.5 point of dist_sync and at most 1.25x its steps, in every cell where
 dist_sync reaches that target in every seed (``checks_not_applicable``: the others).
 Runs are appended to a runs file as they end; ``--resume`` reuses them.
 """
-import argparse
 import os
 import time
 
 import numpy as np
 
 from . import jobs, report
-from .modes import ALIASES, describe, hylo_options, mode, parse_modes
+from .modes import describe, hylo_options, mode, parse_modes
 from .modes import PushThenPull  # noqa: F401  (MXNet's 2-bit under gluon.Trainer)
 from ..digits import LR_SCHEDULES
 
@@ -71,7 +70,6 @@ def add_arguments(parser):
     parser.add_argument("--runs-file", default=None,
                         help="JSON lines of finished runs (default: beside --json)")
     parser.add_argument("--resume", action="store_true", help="reuse the runs in --runs-file")
-    parser.add_argument("--plots-dir", default=None, help=argparse.SUPPRESS)
 
 
 def _config(args):
@@ -126,8 +124,6 @@ def _run_id(cfg, net, lr, m, seed, epochs):
 
 def run(args):
     cfg = _config(args)
-    if args.plots_dir is not None:
-        args.plot = os.path.join(args.plots_dir, "accuracy_curves.png") if args.plots_dir else ""
     runs = report.RunLog(args.runs_file or (args.json + ".runs.jsonl" if args.json else None),
                          args.resume)
     start, results = time.time(), []
@@ -185,7 +181,7 @@ def steps_to_reach(curve, target, last_step):
 
 
 def baseline_of(modes):
-    return next((m for m in modes if ALIASES.get(m, m) == "dist_sync"), None)
+    return next((m for m in modes if m == "dist_sync"), None)
 
 
 def summarize_cell(runs, baseline, last_step):

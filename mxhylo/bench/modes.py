@@ -70,20 +70,18 @@ MODES = {
     "hylo_dynamic": Mode("hylo", batch_schedule=True, help="hylo with a growing batch "
                          "(train --tta: --tta-batch-schedule)"),
 }
-# shorter names the command lines also take; a report names a mode as it was given
-ALIASES = {"dense": "dist_sync", "2bit": "mxnet_2bit", "hylo_densepull": "hylo_dense_pull"}
 HEADLINE = ("dist_sync", "dist_sync_fp16", "horovod_dense", "horovod_fp16", "hylo",
             "hylo_horovod")
 
 
 def mode(name):
-    return MODES[ALIASES.get(name, name)]
+    return MODES[name]
 
 
 def parse_modes(text, allowed=None):
     """--modes: a comma-separated list of known, distinct modes; ValueError otherwise."""
     names = [t.strip() for t in str(text).split(",") if t.strip()]
-    allowed = set(MODES) | set(ALIASES) if allowed is None else set(allowed)
+    allowed = set(MODES) if allowed is None else set(allowed)
     bad = [n for n in names if n not in allowed]
     if bad or not names:
         raise ValueError("unknown mode %s (choose from %s)"
@@ -113,8 +111,7 @@ def describe(names):
 def table():
     """The modes for --help: name, store and launch, what it runs."""
     import textwrap
-    lines = ["modes (mxhylo.bench.modes; also: %s):" % ", ".join(
-        "%s = %s" % kv for kv in ALIASES.items())]
+    lines = ["modes (mxhylo.bench.modes):"]
     for name, m in MODES.items():
         lines += textwrap.wrap(m.help, 88, initial_indent="  %-18s" % name,
                                subsequent_indent=" " * 20)

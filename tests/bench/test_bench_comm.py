@@ -31,8 +31,9 @@ def test_hylo_is_the_stores_defaults_and_the_variants_say_what_differs(monkeypat
     for name, m in modes.MODES.items():
         assert m.help and m.peer == (m.store != "hylo"), name
     assert set(modes.HEADLINE) <= set(modes.MODES)
-    assert modes.parse_modes("dense,hylo") == ["dense", "hylo"]
-    assert modes.mode("dense") is modes.MODES["dist_sync"]
+    assert modes.parse_modes("dist_sync,hylo") == ["dist_sync", "hylo"]
+    with pytest.raises(ValueError, match="unknown mode dense"):
+        modes.parse_modes("dense,hylo")
     with pytest.raises(ValueError, match="unknown mode nope"):
         modes.parse_modes("hylo,nope")
     with pytest.raises(ValueError, match="twice"):

@@ -4,7 +4,7 @@ dist_sync moving float16 gradients, everything else float32.
 Its job test runs 2 workers and 1 server (``python -m mxhylo.launch``, a free port, a
 timeout on the job) with this file as the workers' script:
 
-    python tests/test_bench_fp16.py DIR
+    python tests/bench/test_bench_fp16.py DIR
 
 Each worker broadcasts keys from its own values, exchanges seeded gradients through
 the store (as bench comm calls it, and in place as Gluon calls it), then trains a small
@@ -19,9 +19,7 @@ import sys
 import numpy as np
 import pytest
 
-from proc_helpers import processes_mentioning
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 HERE = os.path.abspath(__file__)
 JOB_TIMEOUT_S = 90      # the launcher's bound on the job
 SHAPES = [(3, 4), (1000,), (300, 500)]
@@ -177,6 +175,9 @@ def _run_job(folder):
             out, _ = proc.communicate()
         out = "(the launcher outlived its bound)\n" + out
     finally:
+        # (imported here: this file is also the job's script, run without tests/ on
+        # its path)
+        from proc_helpers import processes_mentioning
         for pid in processes_mentioning(str(folder)):
             try:
                 os.kill(pid, signal.SIGKILL)
