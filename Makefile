@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.txt setup.py
