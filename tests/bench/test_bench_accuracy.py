@@ -47,6 +47,8 @@ print("RESULT", kv.rank, float(w.asnumpy().mean()), sums, flush=True)
 """
 
 
+# default run: the harness's arithmetic (byte counts above, cells and budgets below)
+@pytest.mark.slow
 def test_push_then_pull_sums_dequantized_two_bit_pushes(tmp_path):
     """MXNet's 2-bit with error feedback, through the adapter Gluon can use: worker 0
     pushes 0.7 (sends +0.5, keeps 0.2), worker 1 pushes 1.4 (sends +0.5, keeps 0.9);
@@ -147,6 +149,7 @@ def _alive(pid):
         return False
 
 
+@pytest.mark.slow
 def test_a_stopped_accuracy_study_leaves_no_process(tmp_path):
     """SIGTERM to `bench accuracy` while a job trains ends the job too: its launcher
     and every role (the job dies with the study, as a job dies with its launcher)."""

@@ -98,8 +98,8 @@ def test_time_to_accuracy_pairs_seeds_and_names_the_best_peer():
     assert any("not hit" in l for l in train.tta_table({"runs": runs, "summary": s}))
 
 
-# default run: the job runner, the emulated cluster and the stores in test_bench_comm.py's
-# run, a train run's start and its teardown below
+# default run: a train run's start and its teardown below (the job runner and the
+# emulated cluster)
 @pytest.mark.slow
 @needs_netns
 def test_train_run_steps_every_mode_and_the_workers_agree(tmp_path):

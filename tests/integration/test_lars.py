@@ -498,6 +498,9 @@ def test_schedules_follow_their_formulas():
     assert [const(t) for t in (1, 4, 100)] == pytest.approx([0.25, 1.0, 1.0])
 
 
+# default run: fp16 multi-precision against the fp32 reference
+# (test_fp16_lars_tracks_fp32_reference), the bf16 refusal on any CPU
+@pytest.mark.slow
 def test_bfloat16_amp_tracks_fp32():
     """MXNet 1.9 CPU AMP (bf16 Convolution/FullyConnected via oneDNN) with LARSTrainer.
 
