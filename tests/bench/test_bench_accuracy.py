@@ -8,20 +8,13 @@ import sys
 
 import pytest
 
+from proc_helpers import run_quiet
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
-def _env():
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"   # several processes share a small machine
-    env.pop("DMLC_ROLE", None)
-    return env
-
-
 def _run(cmd, timeout):
-    res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         timeout=timeout, cwd=ROOT, env=_env())
-    return res.returncode, res.stdout
+    return run_quiet(cmd, timeout, cwd=ROOT)
 
 
 def test_two_bit_byte_count():

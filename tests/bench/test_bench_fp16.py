@@ -12,8 +12,6 @@ net with gluon.Trainer over the store; it writes DIR/RANK.npz and DIR/RANK.json.
 """
 import json
 import os
-import signal
-import subprocess
 import sys
 
 import numpy as np
@@ -162,28 +160,10 @@ def _run_job(folder):
     line) are killed by pid."""
     cmd = [sys.executable, "-m", "mxhylo.launch", "-n", "2", "-s", "1", "--timeout",
            str(JOB_TIMEOUT_S), sys.executable, HERE, str(folder)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    try:
-        out, _ = proc.communicate(timeout=JOB_TIMEOUT_S + 30)
-    except subprocess.TimeoutExpired:
-        proc.terminate()            # the launcher tears its job down on SIGTERM
-        try:
-            out, _ = proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-        out = "(the launcher outlived its bound)\n" + out
-    finally:
-        # (imported here: this file is also the job's script, run without tests/ on
-        # its path)
-        from proc_helpers import processes_mentioning
-        for pid in processes_mentioning(str(folder)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-    assert proc.returncode == 0, out[-4000:]
+    # (imported here: this file is also the job's script, run without tests/ on its path)
+    from proc_helpers import run_bounded_job
+    rc, out = run_bounded_job(cmd, folder, JOB_TIMEOUT_S, cwd=ROOT)
+    assert rc == 0, out[-4000:]
     return out
 
 

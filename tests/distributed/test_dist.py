@@ -150,10 +150,10 @@ def test_small_tensors_travel_fused(tmp_path):
     # the default bound: its 60 s floor (kvstore.watchdog.AUTO_MIN) is most of the run
     pytest.param("stall", [], marks=pytest.mark.slow, id="default_bound"),
     # (the stopped server ignores SIGTERM: SIGKILL comes after --grace)
-    pytest.param("stall:10", ["--grace", "1"], id="bound_10s")])
+    pytest.param("stall:6", ["--grace", "1"], id="bound_6s")])
 def test_a_stopped_server_ends_the_job_with_a_message(tmp_path, mode, launcher_args):
     """A server stopped with SIGSTOP mid-training (a frozen machine): with the default
-    bound (or stall_timeout=10), every worker's watchdog ends it within 90 s, naming
+    bound (or stall_timeout=6), every worker's watchdog ends it within 90 s, naming
     the exchange and the server, and the launcher tears the job down. (The default
     bound's value: test_watchdog.py.)"""
     import re

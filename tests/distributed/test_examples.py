@@ -1,4 +1,4 @@
-"""examples/train_imagenet.py and examples/schedules.py, run for real but small.
+"""examples/train_imagenet.py and examples/train_schedules.py, run for real but small.
 
 The distributed runs go through ``python -m mxhylo.launch`` on the digits packed by
 ``python -m mxhylo.im2rec --digits``; each has a launcher timeout below the test's own,
@@ -6,26 +6,18 @@ so a hung job fails with the launcher's message instead of hanging pytest.
 """
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from proc_helpers import run_quiet
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SCRIPT = os.path.join(ROOT, "examples", "train_imagenet.py")
 
 
-def _env():
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"   # several processes share a small machine
-    env.pop("DMLC_ROLE", None)
-    return env
-
-
 def _run(cmd, timeout):
-    res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         timeout=timeout, cwd=ROOT, env=_env())
-    return res.returncode, res.stdout
+    return run_quiet(cmd, timeout, cwd=ROOT)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from mxhylo import launch, procs
+from proc_helpers import end_groups, launched_pids
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SCRIPTS = os.path.join(REPO, "tests", "distributed", "jobs")
@@ -45,29 +46,16 @@ def launcher(args, tmp_path, timeout=60, env=None, grace=3):
             + grace_args + args), pid_file
 
 
-def started_pids(pid_file):
-    with open(pid_file) as f:
-        return [c["pid"] for c in json.load(f)["children"]]
-
-
 def assert_all_gone(pid_file):
     """Every pid the launcher started is gone (or a zombie); kill survivors, then fail."""
     if os.path.exists(pid_file):
-        assert_pids_gone(started_pids(pid_file))
+        assert_pids_gone(launched_pids(pid_file))
 
 
 def assert_pids_gone(pids):
     """These pids (group leaders) are gone, and their groups empty; kill survivors,
     then fail."""
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(procs.pid_alive(p) for p in pids):
-        time.sleep(0.1)
-    alive = [p for p in pids if procs.pid_alive(p) or procs.group_members(p)]
-    for p in alive:
-        try:
-            os.killpg(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    alive = end_groups(pids)
     assert not alive, "launcher left processes running: %s" % alive
 
 

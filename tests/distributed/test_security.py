@@ -20,7 +20,6 @@ import json
 import os
 import pickle
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -31,9 +30,10 @@ import numpy as np
 import pytest
 
 from mxhylo import launch, procs
+from proc_helpers import end_groups, launched_pids
 from mxhylo.kvstore import server as server_mod
 from mxhylo.kvstore.server import ServerDecoder, ServerState
-from mxhylo.kvstore.wire import (ChunkLayout, pack_bytes, plan_chunks, push_slot,
+from mxhylo.kvstore.wire import (ChunkLayout, pack_bytes, plan_chunks,
                                  row_sparse_push, rows_from_zero)
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -65,28 +65,13 @@ def _start_job(args, tmp_path, timeout):
     return job, pid_file
 
 
-def _job_pids(pid_file):
-    """The pids the launcher started (each the leader of its own process group)."""
-    with open(pid_file) as f:
-        return [c["pid"] for c in json.load(f)["children"]]
-
-
 def _end_job(job, pid_file):
     """Stop what is left of a job: the launcher, then the process groups it started
     (by their ids); fail if any of them had to be killed after the launcher returned."""
     if job.poll() is None:
         job.kill()
         job.wait()
-    pids = _job_pids(pid_file) if os.path.exists(pid_file) else []
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(procs.pid_alive(p) for p in pids):
-        time.sleep(0.1)
-    left = [p for p in pids if procs.pid_alive(p) or procs.group_members(p)]
-    for p in left:
-        try:
-            os.killpg(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    left = end_groups(launched_pids(pid_file)) if os.path.exists(pid_file) else []
     assert not left, "the launcher left processes running: %s" % left
 
 
@@ -263,7 +248,7 @@ def test_job_with_interface_lo_listens_on_loopback_only(tmp_path):
         _wait_for(lambda: all((tmp_path / ("ready-%d" % r)).exists() for r in range(2))
                   or job.poll() is not None, 90, "both workers to exchange")
         assert job.poll() is None, job.communicate()[0].decode()
-        pids = _job_pids(pid_file)
+        pids = launched_pids(pid_file)
         sockets = _listening_sockets(pids)
         print("\n".join(["listening sockets of the job's processes (ss -ltnp):"]
                         + _ss_lines(pids)))

@@ -18,8 +18,6 @@ DIR/PHASE.RANK.json (what they saw).
 import json
 import os
 import pickle
-import signal
-import subprocess
 import sys
 
 import numpy as np
@@ -121,28 +119,10 @@ def _run(folder, phase):
     cmd = [sys.executable, "-m", "mxhylo.launch", "-n", "2", "-s", "2", "--timeout",
            str(JOB_TIMEOUT_S), "--env", "MXNET_KVSTORE_BIGARRAY_BOUND:%d" % BIGARRAY_BOUND,
            sys.executable, HERE, phase, str(folder)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    try:
-        out, _ = proc.communicate(timeout=JOB_TIMEOUT_S + 30)
-    except subprocess.TimeoutExpired:
-        proc.terminate()            # the launcher tears its job down on SIGTERM
-        try:
-            out, _ = proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-        out = "(the launcher outlived its bound)\n" + out
-    finally:
-        # (imported here: this file is also the job's script, run without tests/ on
-        # its path)
-        from proc_helpers import processes_mentioning
-        for pid in processes_mentioning(str(folder)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-    assert proc.returncode == 0, "phase %s failed:\n%s" % (phase, out[-4000:])
+    # (imported here: this file is also the job's script, run without tests/ on its path)
+    from proc_helpers import run_bounded_job
+    rc, out = run_bounded_job(cmd, folder, JOB_TIMEOUT_S, cwd=ROOT)
+    assert rc == 0, "phase %s failed:\n%s" % (phase, out[-4000:])
     arrays = [dict(np.load(os.path.join(folder, "%s.%d.npz" % (phase, r)))) for r in (0, 1)]
     reports = []
     for r in (0, 1):
