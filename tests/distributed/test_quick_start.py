@@ -1,6 +1,7 @@
-"""The README's quick start, copied out of the README and run as a user runs it:
-under ``python -m mxhylo.launch -n 2 -s 1``. It must train (a DataLoader's default
-last batch, smaller than the others, included) and print its stats."""
+"""The README's quick start, copied out of the README and run as users run it: under
+``python -m mxhylo.launch -n 2 -s 1`` and under MXNet's own launcher. It must train (a
+DataLoader's default last batch, smaller than the others, included) and print its
+stats."""
 import os
 import re
 import subprocess
@@ -36,3 +37,49 @@ def test_the_readme_quick_start_trains_and_prints_its_stats(tmp_path):
     assert re.search(r"conv0_weight +32x1x3x3 +288 +none .*below size_threshold", out), \
         out[-3000:]
     assert re.search(r"route: (servers|workers) \(", out), out[-3000:]
+
+
+# dmlc-tracker's local launcher, as MXNet's tools/launch.py calls it (``launch.py -n 2
+# -s 1 python quick.py``), with the one shim Python 3.9+ needs: it still calls
+# Thread.isAlive().
+MXNET_LAUNCHER = """
+import sys, threading
+from dmlc_tracker import local, tracker
+class Thread(threading.Thread):
+    isAlive = threading.Thread.is_alive
+tracker.Thread = Thread
+class Args:
+    num_workers, num_servers, local_num_attempt = 2, 1, 0
+    command = sys.argv[1:]
+local.submit(Args)
+"""
+
+
+def test_the_quick_start_under_mxnets_own_launcher(tmp_path):
+    """The same script started the way MXNet's tools/launch.py starts a job: it trains
+    and prints its stats on both workers; every process ends (its process group is
+    killed if the job outlives its bound)."""
+    import os
+    import signal
+    script = tmp_path / "quick.py"
+    script.write_text(quick_start())
+    launcher = tmp_path / "mxnet_launch.py"
+    launcher.write_text(MXNET_LAUNCHER)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("DMLC_ROLE", None)
+    proc = subprocess.Popen([sys.executable, str(launcher), sys.executable, str(script)],
+                            cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)     # what is left of the job, if anything
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.returncode == 0, out[-3000:]
+    last = re.findall(r"rank (\d), epoch 7: test accuracy ([0-9.]+)", out)
+    assert sorted(int(r) for r, _ in last) == [0, 1], out[-3000:]
+    assert min(float(a) for _, a in last) >= 0.9, last
+    assert len(re.findall(r"rank \d: pushed [0-9.]+ MB where dense float32 pushes", out)) == 2
