@@ -30,7 +30,18 @@ def load_digits(test_fraction=0.25, seed=0, size=8, channels=1):
 
 
 def shard(x, y, num_parts, part_index):
-    """The part_index-th of num_parts contiguous, near-equal shards of (x, y)."""
-    bounds = np.linspace(0, len(y), num_parts + 1).astype(int)
-    lo, hi = bounds[part_index], bounds[part_index + 1]
-    return x[lo:hi], y[lo:hi]
+    """The part_index-th of num_parts contiguous, equal shards of (x, y): len(y) //
+    num_parts samples each, the last len(y) % num_parts samples left out.
+
+    Equal, so that every worker takes the same number of steps with the same batch
+    sizes: where the optimizer runs on the workers, each scales the summed gradient by
+    its own batch size (Gluon's ``trainer.step(batch_size)``), and a worker whose last
+    batch were smaller would end with different weights.
+    """
+    if not 0 <= part_index < num_parts:
+        raise ValueError("part_index %r is not one of the %d parts" % (part_index, num_parts))
+    n = len(y) // num_parts
+    if n == 0:
+        raise ValueError("%d samples cannot give %d parts a sample each" % (len(y), num_parts))
+    lo = part_index * n
+    return x[lo:lo + n], y[lo:lo + n]
