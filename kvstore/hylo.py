@@ -41,6 +41,11 @@ from .transport_local import LocalTransport
 
 # whether the exchange may start before backward ends (tests turn it off to compare)
 OVERLAP = True
+# Every this many steps on the workers' route, the workers compare the rescale_grad
+# their optimizers applied (collective, one value): each worker scales the summed
+# gradient by its own trainer.step(batch_size), so workers whose batch sizes differ
+# end with different weights, which must not go unsaid.
+SCALE_CHECK_STEPS = 20
 
 
 class Hylo(KVStoreBase):
@@ -71,6 +76,7 @@ class Hylo(KVStoreBase):
         self._servers = None      # kvstore.server_route.ServerRoute on the servers' route
         self._trial = None        # kvstore.route.RouteTrial while the route is on trial
         self._steps = 0           # exchange_step calls
+        self._scales = 0.0        # rescale_grad summed over those steps
         self.planner = Planner(o, self.policy, self.compressors, self.transport)
 
     @property
@@ -263,9 +269,27 @@ class Hylo(KVStoreBase):
         clock = time.perf_counter()
         self.pipeline.pushpull(layers, grads, grads, momentum)
         self._steps += 1
+        self._scales += float(trainer._optimizer.rescale_grad)
+        if self.transport.num_workers > 1 and self._steps % SCALE_CHECK_STEPS == 0:
+            self._check_same_scales()
         if self.planner.drifted(self._steps, time.perf_counter() - clock):
             self.recheck_costs()
             self.planner.rechecks["drift"] += 1
+
+    def _check_same_scales(self):
+        """Raise on every worker unless all workers' optimizers applied the same
+        rescale_grad at every step so far (their sums, in float32, compared;
+        collective)."""
+        sums = self.transport.every_workers_value(np.float32(self._scales))
+        if np.any(sums != sums[0]):
+            raise ValueError(
+                "the workers stepped with different batch sizes: over the %d steps so far "
+                "their optimizers' rescale_grad sums to %s (by rank). Where the optimizer "
+                "runs on the workers, each scales the summed gradient by its own "
+                "trainer.step(batch_size), so the workers' weights now differ. Give every "
+                "worker the same batch sizes (equal shards, last_batch='discard', "
+                "ImageRecordIter's round_batch), or server_update=True"
+                % (self._steps, ", ".join("%.6g" % s for s in sums)))
 
     # -- the plan ------------------------------------------------------------------------
 

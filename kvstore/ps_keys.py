@@ -248,16 +248,22 @@ class KeyTable:
                              layer.plan.name, layer.key, layer.plan.shape,
                              layer.plan.strategy))
 
+    def every_workers_value(self, value):
+        """Every worker's float32 ``value``, by rank: float32 numpy (num_workers,) (a
+        collective: each worker writes its slot of one key, the servers' sum gathers
+        them; the same key every time)."""
+        slots = np.zeros(self.num_workers, np.float32)
+        slots[self.rank] = value
+        got = mx.nd.zeros((self.num_workers,))
+        self.kv.push(self._check_key, mx.nd.array(slots))
+        self.kv.pull(self._check_key, out=got)
+        return got.asnumpy()
+
     def _check_same(self, text, described):
         """Raise, saying ``described`` (this worker's), unless every worker passes the
         same ``text`` at this point (a collective)."""
         mine = float(zlib.crc32(text.encode()) % (1 << 23) + 1)      # exact in float32
-        slots = np.zeros(self.num_workers, np.float32)
-        slots[self.rank] = mine
-        got = mx.nd.zeros((self.num_workers,))
-        self.kv.push(self._check_key, mx.nd.array(slots))
-        self.kv.pull(self._check_key, out=got)
-        if not np.all(got.asnumpy() == mine):
+        if not np.all(self.every_workers_value(mine) == mine):
             raise RuntimeError("workers train different models: %s on worker %d, and "
                                "differs on another worker" % (described, self.rank))
 

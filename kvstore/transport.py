@@ -107,6 +107,14 @@ class Transport(abc.ABC):
         run on the servers), or None where there are no servers."""
         return None
 
+    def every_workers_value(self, value):
+        """Every worker's float32 ``value``, by rank, on every worker: float32 numpy
+        (num_workers,) (collective). In one process: the value itself."""
+        if self.num_workers > 1:
+            raise NotImplementedError("%s cannot gather values from workers"
+                                      % type(self).__name__)
+        return np.asarray([value], np.float32)
+
     def share_from_rank0(self, values):
         """Rank 0's 1-D float32 numpy ``values`` on every worker (collective). In one
         process: the values themselves."""

@@ -149,6 +149,15 @@ class HorovodTransport(Transport):
                 else:
                     out[:] = result.astype(out.dtype)
 
+    def every_workers_value(self, value):
+        """Every worker's float32 ``value`` by rank (a Horovod allgather; collective)."""
+        mine = np.asarray([value], np.float32)
+        if self.num_workers == 1:
+            return mine
+        self._gathers = getattr(self, "_gathers", 0) + 1   # the same count on every worker
+        return self.hvd.allgather(mx.nd.array(mine), name="hylo.gather.%d"
+                                  % self._gathers).asnumpy()
+
     def share_from_rank0(self, values):
         """Rank 0's 1-D float32 numpy ``values`` on every worker (a Horovod broadcast;
         collective: every worker calls it, with as many values)."""

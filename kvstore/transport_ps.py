@@ -182,6 +182,9 @@ class PSTransport(Transport):
     def share_from_rank0(self, values):
         return self.keys.share_from_rank0(values)
 
+    def every_workers_value(self, value):
+        return self.keys.every_workers_value(value)
+
     # -- the cost model's links (kvstore.cost_model.LinkCosts) ---------------------------
 
     def time_links(self, probe_elements, repeats):

@@ -127,8 +127,8 @@ def test_wire_bytes_are_per_exchange_and_by_direction():
 
 # ----------------------------------------------------------------------------- a run
 
-# default run: the modes' stores (above), a run of the emulated cluster started and
-# torn down (test_bench_train.py); the whole harness is not the product
+# default run: the modes' stores (above); the harness's jobs: --runslow (the harness
+# is not the product)
 @pytest.mark.slow
 @needs_netns
 def test_comm_run_records_each_mode_and_hylo_moves_fewer_bytes(tmp_path):

@@ -98,8 +98,7 @@ def test_time_to_accuracy_pairs_seeds_and_names_the_best_peer():
     assert any("not hit" in l for l in train.tta_table({"runs": runs, "summary": s}))
 
 
-# default run: a train run's start and its teardown below (the job runner and the
-# emulated cluster)
+# default run: the harness's arithmetic and checks above; its jobs: --runslow
 @pytest.mark.slow
 @needs_netns
 def test_train_run_steps_every_mode_and_the_workers_agree(tmp_path):
@@ -155,6 +154,7 @@ def _descendants(root):
     return out
 
 
+@pytest.mark.slow
 @needs_netns
 def test_sigterm_mid_run_removes_every_namespace_and_process():
     proc = subprocess.Popen(

@@ -301,6 +301,9 @@ def test_overlapped_exchange_equals_serial_ones_bitwise_and_pushes_during_backwa
             assert min(step["push"].values()) > step["backward_end"] - 0.05, step
 
 
+# default run: the user scripts' launches with the cost model running
+# (test_user_scripts.py), whose workers end bitwise identical
+@pytest.mark.slow
 def test_cost_model_every_worker_reaches_rank0s_plan(tmp_path):
     """With the cost model on (loopback: whatever it decides), both workers use rank 0's
     measured numbers, make the same per-layer choices and stay bitwise identical."""

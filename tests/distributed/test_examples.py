@@ -34,6 +34,10 @@ def _data_args(digits_rec):
             "--classes", "10", "--input-size", "16", "-j", "1"]
 
 
+# default run: scripts trained distributed under mxhylo.launch and mxhylo.run
+# (test_quick_start.py, test_launch.py's stand-in of this script); this script's
+# refusals below
+@pytest.mark.slow
 def test_resnet18_two_workers_one_server_finishes_an_epoch(digits_rec, tmp_path):
     """The issue's must-show: resnet18_v1b, 2 workers + 1 server, one epoch, logged
     accuracy and bytes, a checkpoint with each worker's residuals."""

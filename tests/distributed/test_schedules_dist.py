@@ -52,7 +52,9 @@ def run(tmp_path, kvstore):
     return [json.load(open(out.format(rank=r))) for r in (0, 1)]
 
 
-@pytest.mark.parametrize("kvstore", ["dist_sync", "dist_sync_hylo", "horovod"])
+# (MXNet's dist_sync: the same accumulation as under the hylo store; --runslow)
+@pytest.mark.parametrize("kvstore", [pytest.param("dist_sync", marks=pytest.mark.slow),
+                                     "dist_sync_hylo", "horovod"])
 def test_accumulated_updates_equal_one_process_on_the_whole_batch(tmp_path, kvstore):
     reports = run(tmp_path, kvstore)
     for r in reports:
