@@ -268,11 +268,12 @@ class Hylo(KVStoreBase):
             momentum = momentum_correction.from_optimizer(trainer._optimizer)
         clock = time.perf_counter()
         self.pipeline.pushpull(layers, grads, grads, momentum)
+        exchange_s = time.perf_counter() - clock
         self._steps += 1
         self._scales += float(trainer._optimizer.rescale_grad)
         if self.transport.num_workers > 1 and self._steps % SCALE_CHECK_STEPS == 0:
-            self._check_same_scales()
-        if self.planner.drifted(self._steps, time.perf_counter() - clock):
+            self._check_same_scales()       # (not timed: it waits for the slowest worker)
+        if self.planner.drifted(self._steps, exchange_s):
             self.recheck_costs()
             self.planner.rechecks["drift"] += 1
 
