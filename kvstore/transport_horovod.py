@@ -76,6 +76,18 @@ def ring_allreduce_bytes(nbytes, num_workers):
     return 2 * (num_workers - 1) * nbytes // num_workers
 
 
+def _hold_until_done(sent, results):
+    """Keep the arrays handed to Horovod's asynchronous MXNet ops (``sent``) referenced
+    until their ``results`` are written. Horovod's ops keep the raw NDArray pointers
+    they are given (its mpi_ops.cc captures ``NDArray* input``) and read them on the
+    engine's thread later; a temporary freed by Python before then is read freed (a
+    worker aborting at start, once in a while, with "Check failed: ctx.dev_mask() ==
+    Context::kGPU" and a garbage device mask)."""
+    for result in results:
+        result.wait_to_read()
+    del sent[:]
+
+
 def ring_allgather_bytes(sizes, rank):
     """(sent, received) bytes of worker ``rank`` in a ring allgather of blocks of
     ``sizes`` bytes (one per worker, rank order), as Gloo's allgatherv runs it: in
@@ -137,17 +149,21 @@ class HorovodTransport(Transport):
 
     def broadcast(self, layers, values, outs):
         """Rank 0's values into every array of ``outs`` (Horovod's broadcast)."""
+        sent, results = [], []
         for layer, value, layer_outs in zip(layers, values, outs):
             # A copy: Horovod's MXNet ops cannot read an array in oneDNN's layout ("We
             # can't generate TBlob for MKLDNN data"), which a weight is after a forward
             # outside autograd.record() (oneDNN reorders it in place); a copy is not.
-            result = self.hvd.broadcast(value.copy(), root_rank=0,
+            sent.append(value.copy())
+            result = self.hvd.broadcast(sent[-1], root_rank=0,
                                         name="hylo.broadcast." + layer.plan.name)
+            results.append(result)
             for out in layer_outs:
                 if out.dtype == result.dtype:
                     result.copyto(out)
                 else:
                     out[:] = result.astype(out.dtype)
+        _hold_until_done(sent, results)
 
     def every_workers_value(self, value):
         """Every worker's float32 ``value`` by rank (a Horovod allgather; collective)."""
@@ -155,8 +171,10 @@ class HorovodTransport(Transport):
         if self.num_workers == 1:
             return mine
         self._gathers = getattr(self, "_gathers", 0) + 1   # the same count on every worker
-        return self.hvd.allgather(mx.nd.array(mine), name="hylo.gather.%d"
-                                  % self._gathers).asnumpy()
+        sent = mx.nd.array(mine)
+        got = self.hvd.allgather(sent, name="hylo.gather.%d" % self._gathers)
+        _hold_until_done([sent], [got])
+        return got.asnumpy()
 
     def share_from_rank0(self, values):
         """Rank 0's 1-D float32 numpy ``values`` on every worker (a Horovod broadcast;
@@ -165,8 +183,10 @@ class HorovodTransport(Transport):
         if self.num_workers == 1:
             return values
         self._shares = getattr(self, "_shares", 0) + 1     # the same count on every worker
-        return self.hvd.broadcast(mx.nd.array(values), root_rank=0,
-                                  name="hylo.share.%d" % self._shares).asnumpy()
+        sent = mx.nd.array(values)
+        got = self.hvd.broadcast(sent, root_rank=0, name="hylo.share.%d" % self._shares)
+        _hold_until_done([sent], [got])
+        return got.asnumpy()
 
     # -- one exchange --------------------------------------------------------------------
 
