@@ -244,6 +244,9 @@ def _startup_launches(tmp_path, seeds):
             assert report["buckets"] == 4, report      # one per step: each made mid-training
 
 
+# default run: the user scripts' launches under load (test_user_scripts.py: keys made
+# at the first step on every route); the 50-launch soak below
+@pytest.mark.slow
 def test_keys_made_during_training_under_shaken_timing(tmp_path):
     # seed 1: the default pull, 'gather' (compress_pull by the seed's parity; the
     # dense pull's keys, even seeds, in the 50 launches below)

@@ -21,6 +21,7 @@ import pickle
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 HERE = os.path.abspath(__file__)
@@ -262,6 +263,9 @@ def test_server_state_is_read_and_loaded_a_window_at_a_time(monkeypatch):
                 np.testing.assert_array_equal(stored[k].asnumpy(), want[t][0][k])
 
 
+# default run: save_states on either route in the user scripts' launches
+# (test_user_scripts.py), the state stream's windows above
+@pytest.mark.slow
 def test_states_saved_by_rank0_on_the_servers_resume_training_bitwise(tmp_path):
     import mxnet as mx
     # phase 1: steps 1-5 on the servers, rank 0 alone saves after step 3
