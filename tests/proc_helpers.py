@@ -17,6 +17,16 @@ def processes_mentioning(text):
     return pids
 
 
+def clean_env(**extra):
+    """This environment minus any DMLC_*/PS_*/MXHYLO_* a surrounding job may have set,
+    with unbuffered Python output, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DMLC_", "PS_", "MXHYLO_"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
 def launched_pids(pid_file):
     """The pids mxhylo.launch --pid-file wrote (each the leader of its own process
     group)."""

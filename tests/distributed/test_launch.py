@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from mxhylo import launch, procs
-from proc_helpers import end_groups, launched_pids
+from proc_helpers import clean_env, end_groups, launched_pids
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SCRIPTS = os.path.join(REPO, "tests", "distributed", "jobs")
@@ -26,15 +26,6 @@ DIGITS = os.path.join(SCRIPTS, "digits_dist.py")
 STANDIN = os.path.join(SCRIPTS, "train_imagenet_standin.py")
 PY = sys.executable
 KV = os.environ.get("MXHYLO_TEST_KVSTORE", "dist_sync")   # the store every job uses
-
-
-def clean_env(**extra):
-    """This environment minus any DMLC_*/PS_* a surrounding job may have set."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("DMLC_", "PS_", "MXHYLO_"))}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
 
 
 def launcher(args, tmp_path, timeout=60, env=None, grace=3):

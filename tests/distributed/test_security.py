@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from mxhylo import launch, procs
-from proc_helpers import end_groups, launched_pids
+from proc_helpers import clean_env, end_groups, launched_pids
 from mxhylo.kvstore import server as server_mod
 from mxhylo.kvstore.server import ServerDecoder, ServerState
 from mxhylo.kvstore.wire import (ChunkLayout, pack_bytes, plan_chunks,
@@ -44,14 +44,6 @@ W = 2           # workers of every in-process server below
 
 # ----------------------------------------------------------------------------- helpers: jobs
 
-def _clean_env(**extra):
-    """This environment minus any DMLC_*/PS_*/MXHYLO_* a surrounding job may have set."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("DMLC_", "PS_", "MXHYLO_"))}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
-
 
 def _start_job(args, tmp_path, timeout):
     """Start ``python -m mxhylo.launch`` with a pid file, --timeout ``timeout`` seconds
@@ -60,7 +52,7 @@ def _start_job(args, tmp_path, timeout):
     argv = [PY, "-m", "mxhylo.launch", "--pid-file", str(pid_file), "--timeout",
             str(timeout), "--grace", "3"] + list(args)
     # not the repository as cwd: the installed mxhylo is the one every role imports
-    job = subprocess.Popen(argv, cwd=str(tmp_path), env=_clean_env(),
+    job = subprocess.Popen(argv, cwd=str(tmp_path), env=clean_env(),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     return job, pid_file
 
@@ -208,7 +200,7 @@ def test_bogus_interface_is_a_clear_error_before_anything_starts(tmp_path):
     proc = subprocess.run(
         [PY, "-m", "mxhylo.launch", "-n", "1", "-s", "1", "--interface", missing,
          "--timeout", "20", "touch", str(marker)],
-        cwd=str(tmp_path), env=_clean_env(), stdout=subprocess.PIPE,
+        cwd=str(tmp_path), env=clean_env(), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, timeout=60)
     assert proc.returncode == 2, proc.stdout
     last = proc.stdout.strip().splitlines()[-1]
