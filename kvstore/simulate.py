@@ -83,8 +83,8 @@ class SimulatedWorkers:
         the workers' ``payloads``, as a real job's pull decodes them."""
         codec = self.compressors[payloads[0].strategy]
         if getattr(codec, "summable", False):
-            header, sums = sum_payloads(payloads, plan.size)
-            return mx.nd.array(decode_sums(header, sums).reshape(plan.shape)), header
+            header, packed = sum_payloads(payloads, plan.size)
+            return decode_sums(header, packed, plan.shape, self.num_workers), header
         out = mx.nd.zeros(plan.shape, dtype=np.float32)
         for p in payloads:          # rank order, as a 'gather' pull decodes
             codec.decode(p, out, accumulate=True)

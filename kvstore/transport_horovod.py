@@ -242,8 +242,8 @@ class HorovodTransport(Transport):
             agreed = None
             if getattr(self._codecs[payloads[0].strategy], "summable", False):
                 # a shared scale: the integer sums, as the servers' 'sum' pull
-                agreed, sums = sum_payloads(payloads, g.layer.plan.size)
-                g.out[:] = decode_sums(agreed, sums).reshape(g.out.shape)
+                agreed, packed = sum_payloads(payloads, g.layer.plan.size)
+                decode_sums(agreed, packed, g.out.shape, self.num_workers, out=g.out)
             else:
                 g.out[:] = 0
                 for p in payloads:      # rank order: the same float sums on every worker

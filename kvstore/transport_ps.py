@@ -354,9 +354,8 @@ class PSTransport(Transport):
         if chunk.pull == "none":
             piece[:] = rows[:chunk.size]
         elif chunk.pull == "sum":
-            aggregate, p.traffic.agreed = summed_aggregate(chunk, rows[:chunk.pull_rows
-                                                                      * chunk.cols])
-            piece[:] = aggregate
+            _, p.traffic.agreed = summed_aggregate(
+                chunk, rows[:chunk.pull_rows * chunk.cols], out=piece)
         else:
             # decoded in rank order, as the server decodes a dense pull: bitwise equal
             target = piece.reshape((chunk.rows_filters, chunk.cols)) \

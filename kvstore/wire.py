@@ -35,7 +35,7 @@ drop them, and its pull reads rows by position); a worker pulls rows [0, pull_ro
 * ``pull='sum'`` (every 'slots' chunk of a shared-scale codec, kvstore.codec_shared,
   whatever pull was asked for): the header scalars summed over the workers in rank order (first
   the shared value v, which every worker pushed alike), then the integer sums of the
-  workers' codes packed in base 2W + 1 (kvstore.sums), as pack_bytes writes bytes.
+  workers' codes packed in base 2W + 1 (mxhylo.ops.sums), as pack_bytes writes bytes.
   Its size does not grow with W past log2(2W + 1) bits per element, and its decode
   v * sum is exact whatever order the pushes came in.
 
@@ -52,7 +52,8 @@ import mxnet as mx
 import numpy as np
 
 from .compressors import CODEC_NAMES, Payload, make_compressors
-from .sums import pack_sums, packed_nbytes, sum_codes, unpack_sums
+from .. import ops
+from ..ops.sums import check_packed, packed_nbytes
 
 # the dense aggregate, the payloads gathered, or a shared-scale codec's integer sums
 PULL_CODECS = ("none", "gather", "sum")
@@ -350,15 +351,20 @@ def gather_values(layout, received):
 def sum_payloads(payloads, size):
     """The workers' Payloads of a shared-scale codec (rank order), ``size`` elements ->
     (header: their scalars summed in rank order and rounded to float32, but the first,
-    the shared value v, which they all carry; int8 (size,): the sums of their codes).
-    What a 'sum' pull carries, on the servers and in Horovod's gathered payloads alike.
-    Raises ValueError if the workers' shared values differ."""
-    return _sum_codes([p.scalars for p in payloads],
-                      [p.arrays[0].asnumpy() for p in payloads], size)
+    the shared value v, which they all carry; uint8 NDArray: the sums of their codes,
+    packed as ops.sum_2bit packs them). What a 'sum' pull carries, on the servers and
+    in Horovod's gathered payloads alike. Raises ValueError if the workers' shared
+    values differ."""
+    header = sum_headers([p.scalars for p in payloads])
+    codes = mx.nd.stack(*[p.arrays[0] for p in payloads]) if len(payloads) > 1 \
+        else payloads[0].arrays[0].reshape((1, -1))
+    return header, ops.sum_2bit(codes, size)
 
 
-def _sum_codes(scalars, code_words, size):
-    """sum_payloads of the workers' header ``scalars`` and int32 ``code_words``."""
+def sum_headers(scalars):
+    """The header of a 'sum' pull from the workers' header ``scalars`` (rank order):
+    each summed in rank order in float64, rounded to float32, but the first, the
+    shared value v, which every worker must carry alike (ValueError otherwise)."""
     values = {s[0] for s in scalars}
     if len(values) != 1:
         raise ValueError("the workers quantized with different shared values %s: their "
@@ -367,13 +373,17 @@ def _sum_codes(scalars, code_words, size):
     for s in scalars:
         header += s
     header[0] = scalars[0][0]
-    return (tuple(float(v) for v in header.astype(np.float32)),
-            sum_codes(code_words, size))
+    return tuple(float(v) for v in header.astype(np.float32))
 
 
-def decode_sums(header, sums):
-    """The aggregate of a 'sum' pull: float32 numpy v * sums, each rounded once."""
-    return np.asarray(sums).astype(np.float32) * np.float32(header[0])
+def decode_sums(header, packed, shape, num_workers, out=None):
+    """The aggregate of a 'sum' pull: float32 v * sum of each element, rounded once
+    (ops.decode_sums), of ``shape``, into ``out`` if given. packed: uint8, NDArray or
+    numpy (checked: a group sum_2bit never writes raises ValueError)."""
+    if not isinstance(packed, mx.nd.NDArray):
+        check_packed(packed, int(np.prod(shape)), num_workers)
+        packed = mx.nd.array(packed, dtype=np.uint8)
+    return ops.decode_sums(packed, header[0], shape, num_workers, out=out)
 
 
 def sum_values(layout, received):
@@ -384,27 +394,28 @@ def sum_values(layout, received):
     per_slot = layout.slot_rows * layout.cols
     n, nbytes = _CODECS[layout.codec].scalars, _CODECS[layout.codec].byte_span(0, layout.size)[1]
     slots = [data[w * per_slot:(w + 1) * per_slot] for w in range(layout.slots)]
-    # each slot as slot_payload reads it, its code words kept in numpy
-    header, sums = _sum_codes([tuple(float(v) for v in slot[:n]) for slot in slots],
-                              [unpack_bytes(slot[n:], nbytes).view(np.int32)
-                               for slot in slots], layout.size)
-    packed = pack_bytes(pack_sums(sums, layout.slots))
+    header = sum_headers([tuple(float(v) for v in slot[:n]) for slot in slots])
+    # each slot's code words as slot_payload reads them, one row per worker
+    codes = np.stack([unpack_bytes(slot[n:], nbytes).view(np.int32) for slot in slots])
+    packed = pack_bytes(ops.sum_2bit(mx.nd.array(codes, dtype=np.int32),
+                                     layout.size).asnumpy())
     out = np.zeros(layout.pull_rows * layout.cols, np.float32)
     out[:len(header)] = header
     out[len(header):len(header) + len(packed)] = packed
     return out
 
 
-def summed_aggregate(layout, values):
+def summed_aggregate(layout, values, out=None):
     """The workers' side of a 'sum' pull: pulled float32 values (numpy or NDArray) ->
-    (the aggregate, float32 numpy (size,); the header, v first)."""
+    (the aggregate, float32 NDArray (size,), written into ``out`` if given; the
+    header, v first)."""
     if isinstance(values, mx.nd.NDArray):
         values = values.asnumpy()
     values = np.asarray(values, np.float32).reshape(-1)
     n = _CODECS[layout.codec].scalars
     header = tuple(float(v) for v in values[:n])
     data = unpack_bytes(values[n:], packed_nbytes(layout.size, layout.slots))
-    return decode_sums(header, unpack_sums(data, layout.size, layout.slots)), header
+    return decode_sums(header, data, (layout.size,), layout.slots, out=out), header
 
 
 def gather_payloads(layout, values):

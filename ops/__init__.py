@@ -28,12 +28,12 @@ import warnings
 
 import numpy as np
 
-from . import _checks, _cpp, build, reference
+from . import _checks, _cpp, build, reference, sums
 
 __all__ = ["backend", "quantize_2bit", "settle_2bit", "l1_stats", "dequantize_2bit",
            "select_kernels", "scatter_kernels", "momentum_velocity", "momentum_correct",
-           "bound_rows",
-           "set_num_threads", "reference", "build"]
+           "bound_rows", "sum_2bit", "decode_sums",
+           "set_num_threads", "sums", "reference", "build"]
 
 _lock = threading.Lock()
 _backend = []  # [name] once resolved
@@ -281,3 +281,38 @@ def bound_rows(residual, grad, bound):
     if _use_cpp(residual):
         return _cpp.bound_rows(residual, grad, text)
     return reference._bound_rows(residual, grad, float(b))
+
+
+def sum_2bit(codes, size):
+    """The integer sums of W workers' 2-bit codes, packed for the way back (the
+    servers' side of a shared-scale codec's 'sum' pull; format: mxhylo.ops.sums).
+
+    codes: int32 (W, ceil(size/16)), row w the code words quantize_2bit gave worker
+    w (1 <= W <= 127); code 1 counts +1, 2 counts -1, 0 and 3 count 0.
+    size: the elements n the codes stand for.
+    Returns uint8 (sums.packed_nbytes(size, W),): each element's sum in [-W, W],
+    packed in base 2W + 1, digits_per_group(W) to a little-endian uint16; bitwise
+    sums.pack_sums(sums.sum_codes(rows, size), W).
+    """
+    size = _checks.sum_codes(codes, size, "sum_2bit")
+    if _use_cpp(codes):
+        return _cpp.sum_2bit(codes, size)
+    return reference._sum_2bit(codes, size)
+
+
+def decode_sums(packed, value, shape, num_workers, out=None):
+    """float32 of `shape`: element i = float32(s_i) * v, rounded once, s_i the sums
+    sum_2bit packed for ``num_workers`` workers, v = `value` rounded to float32.
+
+    packed: uint8 (sums.packed_nbytes(n, W),), n = prod(shape). A uint16 group of
+    (2W + 1) ** d or more is never written by sum_2bit: its elements decode as NaN
+    (the caller checks the groups first when the bytes come off the wire:
+    sums.check_packed). out: optional float32 NDArray of `shape`. Returns out, or a
+    new array.
+    """
+    v, text = _checks.threshold32(value, "decode_sums", what="value")
+    shape, w = _checks.packed_sums(packed, shape, num_workers, "decode_sums")
+    _checks.out_array(out, shape, packed.context, "decode_sums")
+    if _use_cpp(packed):
+        return _cpp.decode_sums(packed, text, shape, w, out)
+    return reference._decode_sums(packed, float(v), shape, w, out)

@@ -10,6 +10,8 @@ import numbers
 import mxnet as mx
 import numpy as np
 
+from . import sums
+
 GRAD_DTYPES = (np.float32, np.float16)
 
 
@@ -103,6 +105,43 @@ def shape_text(shape):
 def num_words(n):
     """int32 words holding n 2-bit codes."""
     return (n + 15) // 16
+
+
+def positive_int(x, name, op):
+    """Require an int >= 1 (bools refused); return it as int."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError("%s: %s must be an int, got %r" % (op, name, x))
+    if x < 1:
+        raise ValueError("%s: %s must be >= 1, got %d" % (op, name, x))
+    return int(x)
+
+
+def sum_codes(c, size, op):
+    """sum_2bit's arguments: int32 codes (W, ceil(size/16)), 1 <= W <= 127; returns
+    size as an int."""
+    size = positive_int(size, "size", op)
+    ndarray(c, "codes", (np.int32,), op)
+    if c.ndim != 2 or c.shape[1] != num_words(size) or \
+            not 1 <= c.shape[0] <= sums.MAX_WORKERS:
+        raise ValueError("%s: codes must have shape (W, %d) for %d elements, 1 <= W <= %d, "
+                         "got %s" % (op, num_words(size), size, sums.MAX_WORKERS, c.shape))
+    return size
+
+
+def packed_sums(packed, shape, num_workers, op):
+    """decode_sums' packed uint8 sums of prod(shape) elements of num_workers workers;
+    returns (shape as a tuple, num_workers as an int)."""
+    shape = shape_tuple(shape, op)
+    w = positive_int(num_workers, "num_workers", op)
+    if w > sums.MAX_WORKERS:
+        raise ValueError("%s: num_workers must be at most %d, got %d"
+                         % (op, sums.MAX_WORKERS, w))
+    ndarray(packed, "packed", (np.uint8,), op)
+    want = sums.packed_nbytes(int(np.prod(shape)), w)
+    if packed.shape != (want,):
+        raise ValueError("%s: packed sums of %d elements of %d workers must have shape "
+                         "(%d,), got %s" % (op, int(np.prod(shape)), w, want, packed.shape))
+    return shape, w
 
 
 def codes(c, n, op):

@@ -72,3 +72,12 @@ def momentum_correct(aggregate, previous, factor_text):
 def bound_rows(residual, grad, bound_text):
     # in place: MXNet hands `residual` to the op as a mutated input
     return mx.nd.hylo_bound_rows(residual, grad, bound=bound_text)
+
+
+def sum_2bit(codes, size):
+    return mx.nd.hylo_sum_2bit(codes, size=str(size))
+
+
+def decode_sums(packed, value_text, shape, num_workers, out):
+    return mx.nd.hylo_decode_sums(packed, value=value_text, shape=_checks.shape_text(shape),
+                                  workers=str(num_workers), out=out)

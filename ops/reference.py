@@ -16,7 +16,7 @@ both.
 import numpy as np
 import mxnet as mx
 
-from . import _checks
+from . import _checks, sums
 
 _TWO32 = float(2 ** 32)
 _TWO31 = float(2 ** 31)
@@ -303,3 +303,37 @@ def _bound_rows(residual, grad, bound):
             cut += 1
     residual[:] = r.reshape(residual.shape)
     return mx.nd.array([cut], ctx=residual.context, dtype=np.float32)
+
+
+def sum_2bit(codes, size):
+    """See mxhylo.ops.sum_2bit."""
+    return _sum_2bit(codes, _checks.sum_codes(codes, size, "sum_2bit"))
+
+
+def _sum_2bit(codes, size):
+    rows = list(codes.asnumpy())
+    packed = sums.pack_sums(sums.sum_codes(rows, size), len(rows))
+    return mx.nd.array(packed, ctx=codes.context, dtype=np.uint8)
+
+
+def decode_sums(packed, value, shape, num_workers, out=None):
+    """See mxhylo.ops.decode_sums."""
+    v, _ = _checks.threshold32(value, "decode_sums", what="value")
+    shape, w = _checks.packed_sums(packed, shape, num_workers, "decode_sums")
+    _checks.out_array(out, shape, packed.context, "decode_sums")
+    return _decode_sums(packed, float(v), shape, w, out)
+
+
+def _decode_sums(packed, v, shape, num_workers, out):
+    n = int(np.prod(shape))
+    groups = packed.asnumpy().view("<u2")
+    written = groups < (2 * num_workers + 1) ** sums.digits_per_group(num_workers)
+    total = sums.unpack_sums(np.where(written, groups, 0).astype("<u2").view(np.uint8),
+                             n, num_workers)
+    dense = total.astype(np.float32) * np.float32(v)    # one rounding, as in C++
+    dense[~np.repeat(written, sums.digits_per_group(num_workers))[:n]] = np.nan
+    result = mx.nd.array(dense.reshape(shape), ctx=packed.context, dtype=np.float32)
+    if out is None:
+        return result
+    out[:] = result
+    return out

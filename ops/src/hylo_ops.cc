@@ -14,6 +14,8 @@
 //       -> indices int32 (max(k,1),), values f32 (max(k,1), F), stats f32 (2,)
 //   hylo_scatter_kernels(indices int32 (k,), values f32 (k,F); shape) -> dense f32
 //   hylo_scatter_kernels_add(indices, values, acc f32) -> acc with rows += values
+//   hylo_sum_2bit(codes int32 (W, ceil(n/16)); size) -> packed sums uint8
+//   hylo_decode_sums(packed uint8; value, workers, shape) -> out f32 shape
 // The *_add operators are called with out=acc: MXNet then hands the same
 // buffer as input and output, so only the touched data is read and written.
 // Python (mxhylo/ops/__init__.py) validates arguments first and handles the
@@ -31,6 +33,7 @@
 #include <cerrno>
 #include <cstring>
 #include <initializer_list>
+#include <limits>
 #include <locale>
 #include <sstream>
 #include <string>
@@ -1259,6 +1262,231 @@ MXReturnValue mutate_first(const Attrs&, std::vector<int>* idx) {
   return MX_SUCCESS;
 }
 
+// ===================================================== integer sums of 2-bit codes
+// A shared-scale codec (kvstore/codec_shared.py) quantizes every worker with the
+// same value v, so the aggregate of W workers is v times an integer sum in [-W, W]
+// per element. hylo_sum_2bit adds the W workers' codes as integers and packs the
+// sums in base B = 2W + 1: d = digits_per_group(W) sums per little-endian uint16,
+// group value sum_i (s_i + W) * B^i (a short last group padded with sums of 0).
+// hylo_decode_sums reads them back as float32(s) * v, one rounding per element.
+// The format is mxhylo/ops/sums.py's, the numpy oracle; integer arithmetic only,
+// so every ISA build writes the same bytes and the same floats.
+const int kMaxSumWorkers = 127;  // 2W + 1 <= 255: a group holds at least 2 sums
+
+int digits_per_group(int workers) {
+  const int64_t base = 2 * workers + 1;
+  int d = 0;
+  for (int64_t p = base; p <= 65536; p *= base) ++d;
+  return d;
+}
+
+// Byte b of a code word holds 4 codes; kBiased[b] holds them as 4 bytes c + 1 in
+// {0, 1, 2}, LSB first (code 1 is +1, 2 is -1, 0 and 3 (never written) 0). Adding W
+// such words adds W workers' codes 4 elements at a time: each byte ends at s + W in
+// [0, 2W] <= 254, so no byte carries into the next, and s + W is the base-B digit.
+struct BiasedCodes {
+  uint32_t t[256];
+  BiasedCodes() {
+    for (int b = 0; b < 256; ++b) {
+      t[b] = 0;
+      for (int j = 0; j < 4; ++j) {
+        const int c = (b >> (2 * j)) & 3;
+        t[b] |= static_cast<uint32_t>(1 + (c == 1) - (c == 2)) << (8 * j);
+      }
+    }
+  }
+};
+const BiasedCodes kBiased;
+
+// Digits s + W of elements e0 .. e0 + m - 1 (e0 a multiple of 16) into dig[0 .. m-1],
+// rows of `codes` the workers' code words; dig has room for whole words.
+void sum_block(const uint32_t* codes, int64_t words, int workers, int64_t e0, int64_t m,
+               uint8_t* dig) {
+  const int64_t w0 = e0 / 16, nw = (m + 15) / 16;
+  uint32_t acc[16 * 16 * 64 / 4];
+  std::memset(acc, 0, static_cast<size_t>(nw) * 16);
+  for (int w = 0; w < workers; ++w) {
+    const uint32_t* cw = codes + w * words + w0;
+    for (int64_t q = 0; q < nw; ++q) {
+      const uint32_t x = cw[q];
+      acc[4 * q] += kBiased.t[x & 0xff];
+      acc[4 * q + 1] += kBiased.t[(x >> 8) & 0xff];
+      acc[4 * q + 2] += kBiased.t[(x >> 16) & 0xff];
+      acc[4 * q + 3] += kBiased.t[x >> 24];
+    }
+  }
+  for (int64_t i = 0; i < nw * 4; ++i)  // byte j of acc[i] is element 4i + j
+    for (int j = 0; j < 4; ++j) dig[4 * i + j] = static_cast<uint8_t>(acc[i] >> (8 * j));
+}
+
+bool parse_size(const Attrs& attrs, int64_t* n) {
+  if (!parse_int(attrs, "size", n)) return false;
+  if (*n < 1) {
+    MX_ERROR_MSG << "attribute 'size' must be >= 1";
+    return false;
+  }
+  return true;
+}
+
+MXReturnValue sum_parse(const Attrs& attrs, int* nin, int* nout) {
+  int64_t n;
+  if (!parse_size(attrs, &n)) return MX_FAIL;
+  *nin = 1;
+  *nout = 1;
+  return MX_SUCCESS;
+}
+
+MXReturnValue sum_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
+  if ((*in)[0] != kInt32) {
+    MX_ERROR_MSG << "hylo_sum_2bit: codes must be int32";
+    return MX_FAIL;
+  }
+  (*out)[0] = kUint8;
+  return MX_SUCCESS;
+}
+
+MXReturnValue sum_shape(const Attrs& attrs, std::vector<std::vector<unsigned int> >* in,
+                        std::vector<std::vector<unsigned int> >* out) {
+  int64_t n;
+  if (!expect_inputs(*in, 1, "hylo_sum_2bit") || !parse_size(attrs, &n)) return MX_FAIL;
+  const std::vector<unsigned int>& c = (*in)[0];
+  if (c.size() != 2 || c[0] < 1 || c[0] > kMaxSumWorkers ||
+      static_cast<int64_t>(c[1]) != (n + 15) / 16) {
+    MX_ERROR_MSG << "hylo_sum_2bit: codes must have shape (W, " << (n + 15) / 16
+                 << ") for " << n << " elements, 1 <= W <= " << kMaxSumWorkers;
+    return MX_FAIL;
+  }
+  const int64_t d = digits_per_group(static_cast<int>(c[0]));
+  (*out)[0] = dims({2 * ((n + d - 1) / d)});
+  return MX_SUCCESS;
+}
+
+MXReturnValue sum_forward(const Attrs& attrs, std::vector<MXTensor>* in,
+                          std::vector<MXTensor>* out, const OpResource&) {
+  int64_t n;
+  if (!parse_size(attrs, &n)) return MX_FAIL;
+  const int workers = static_cast<int>((*in)[0].shape[0]);
+  const int64_t words = (*in)[0].shape[1];
+  const uint32_t* codes = (*in)[0].data<uint32_t>();
+  uint8_t* bytes = (*out)[0].data<uint8_t>();
+  const int d = digits_per_group(workers);
+  const uint32_t base = 2 * workers + 1;
+  uint32_t power[16];  // B^i
+  power[0] = 1;
+  for (int i = 1; i < d; ++i) power[i] = power[i - 1] * base;
+  // blocks of whole groups and whole code words, their digits kept in L1
+  const int64_t block = 16 * d * 64;
+  uint8_t dig[16 * 16 * 64];
+  for (int64_t e0 = 0; e0 < n; e0 += block) {
+    const int64_t m = std::min(block, n - e0);
+    sum_block(codes, words, workers, e0, m, dig);
+    const int64_t groups = (m + d - 1) / d;
+    for (int64_t i = m; i < groups * d; ++i) dig[i] = static_cast<uint8_t>(workers);  // sums of 0
+    uint8_t* o = bytes + 2 * (e0 / d);
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* digits = dig + g * d;
+      uint32_t value = 0;
+      for (int i = 0; i < d; ++i) value += digits[i] * power[i];
+      o[2 * g] = static_cast<uint8_t>(value & 0xff);
+      o[2 * g + 1] = static_cast<uint8_t>(value >> 8);
+    }
+  }
+  return MX_SUCCESS;
+}
+
+MXReturnValue decode_sums_parse(const Attrs& attrs, int* nin, int* nout) {
+  float v;
+  int64_t workers;
+  std::vector<unsigned int> shape;
+  if (!parse_value(attrs, &v) || !parse_shape(attrs, &shape) ||
+      !parse_int(attrs, "workers", &workers))
+    return MX_FAIL;
+  if (workers < 1 || workers > kMaxSumWorkers) {
+    MX_ERROR_MSG << "hylo_decode_sums: workers must be in [1, " << kMaxSumWorkers << "]";
+    return MX_FAIL;
+  }
+  *nin = 1;
+  *nout = 1;
+  return MX_SUCCESS;
+}
+
+MXReturnValue decode_sums_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
+  if ((*in)[0] != kUint8) {
+    MX_ERROR_MSG << "hylo_decode_sums: packed sums must be uint8";
+    return MX_FAIL;
+  }
+  (*out)[0] = kFloat32;
+  return MX_SUCCESS;
+}
+
+MXReturnValue decode_sums_shape(const Attrs& attrs, std::vector<std::vector<unsigned int> >* in,
+                                std::vector<std::vector<unsigned int> >* out) {
+  std::vector<unsigned int> shape;
+  int64_t workers;
+  if (!expect_inputs(*in, 1, "hylo_decode_sums") || !parse_shape(attrs, &shape) ||
+      !parse_int(attrs, "workers", &workers))
+    return MX_FAIL;
+  const int64_t n = shape_size(shape), d = digits_per_group(static_cast<int>(workers));
+  if ((*in)[0].size() != 1 || static_cast<int64_t>((*in)[0][0]) != 2 * ((n + d - 1) / d)) {
+    MX_ERROR_MSG << "hylo_decode_sums: packed sums of " << n << " elements of " << workers
+                 << " workers must have shape (" << 2 * ((n + d - 1) / d) << ",)";
+    return MX_FAIL;
+  }
+  (*out)[0] = shape;
+  return MX_SUCCESS;
+}
+
+MXReturnValue decode_sums_forward(const Attrs& attrs, std::vector<MXTensor>* in,
+                                  std::vector<MXTensor>* out, const OpResource&) {
+  float v;
+  int64_t workers64;
+  if (!parse_value(attrs, &v) || !parse_int(attrs, "workers", &workers64)) return MX_FAIL;
+  const int workers = static_cast<int>(workers64);
+  const uint8_t* bytes = (*in)[0].data<uint8_t>();
+  float* o = (*out)[0].data<float>();
+  const int64_t n = (*out)[0].size();
+  const int d = digits_per_group(workers), k = (d + 1) / 2;
+  const uint32_t base = 2 * workers + 1;
+  uint32_t low = 1;  // D = B^k: a group x is hi * D + lo, lo's k digits, then hi's d - k
+  for (int i = 0; i < k; ++i) low *= base;
+  const uint32_t limit = low * (d - k == k ? low : low / base);  // B^d
+  // value[j * k + i] = float32(digit i of j - W) * v for every j < D: each element one
+  // rounding, as float32(s) * v is; lo and hi (< B^(d-k) <= D for a written group)
+  // are rows of it
+  std::vector<float> value(static_cast<size_t>(low) * k);
+  for (uint32_t j = 0; j < low; ++j) {
+    uint32_t x = j;
+    for (int i = 0; i < k; ++i, x /= base)
+      value[j * k + i] = static_cast<float>(static_cast<int>(x % base) - workers) * v;
+  }
+  // x / D for x < 2^16 by one multiply: with m = ceil(2^32 / D), e = m * D - 2^32 < D
+  // <= 2^16, the error x * e / (D * 2^32) < 1 / D never reaches the next quotient
+  const uint64_t m = ((uint64_t(1) << 32) + low - 1) / low;
+  const int64_t full = n / d;
+  const float* table = value.data();
+  for (int64_t g = 0; g < full; ++g) {
+    const uint32_t x = bytes[2 * g] | (static_cast<uint32_t>(bytes[2 * g + 1]) << 8);
+    float* dst = o + g * d;
+    if (x >= limit) {  // never written by hylo_sum_2bit
+      for (int i = 0; i < d; ++i) dst[i] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    const uint32_t hi = static_cast<uint32_t>((x * m) >> 32), lo = x - hi * low;
+    const float* a = table + lo * k;
+    const float* b = table + hi * k;
+    for (int i = 0; i < k; ++i) dst[i] = a[i];
+    for (int i = 0; i < d - k; ++i) dst[k + i] = b[i];
+  }
+  if (full * d < n) {  // the last group, short
+    uint32_t x = bytes[2 * full] | (static_cast<uint32_t>(bytes[2 * full + 1]) << 8);
+    const bool written = x < limit;
+    for (int64_t e = full * d; e < n; ++e, x /= base)
+      o[e] = written ? static_cast<float>(static_cast<int>(x % base) - workers) * v
+                     : std::numeric_limits<float>::quiet_NaN();
+  }
+  return MX_SUCCESS;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- registry
@@ -1331,6 +1559,18 @@ REGISTER_OP(hylo_momentum_correct)
     .setInferShape(correct_shape)
     .setMutateInputs(mutate_previous)
     .setForward(correct_forward, "cpu");
+
+REGISTER_OP(hylo_sum_2bit)
+    .setParseAttrs(sum_parse)
+    .setInferType(sum_type)
+    .setInferShape(sum_shape)
+    .setForward(sum_forward, "cpu");
+
+REGISTER_OP(hylo_decode_sums)
+    .setParseAttrs(decode_sums_parse)
+    .setInferType(decode_sums_type)
+    .setInferShape(decode_sums_shape)
+    .setForward(decode_sums_forward, "cpu");
 
 MXReturnValue initialize(int version) {
   if (version < 10900) {

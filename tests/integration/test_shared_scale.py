@@ -1,5 +1,6 @@
 """The shared-scale 2-bit codec and the 'sum' pull, against numpy: integer sums of
-codes and their base-(2W+1) packing for every W, the codec's quantization and the
+codes and their base-(2W+1) packing for every W (numpy's format, and the C++ and
+reference operators that compute it bitwise), the codec's quantization and the
 scale the workers agree on, and the pull's layout through MXNet's row_sparse sum."""
 import mxnet as mx
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 
 import mxhylo
 from mxhylo import ops
-from mxhylo.kvstore import sums
+from mxhylo.ops import reference, sums
 from mxhylo.kvstore.codec_shared import NOTHING_SENT
 from mxhylo.kvstore.compressors import make_compressors
 from mxhylo.kvstore.memory import ResidualMemory
@@ -55,6 +56,61 @@ def test_packing_at_the_edges(workers, n):
                   np.where(np.arange(size) % 2, workers, -workers)):
             got = sums.unpack_sums(sums.pack_sums(s, workers), size, workers)
             np.testing.assert_array_equal(got, s)
+
+
+@pytest.mark.parametrize("workers", range(1, 128))
+def test_operators_sum_and_decode_as_numpy_for_every_worker_count(workers):
+    """ops.sum_2bit writes numpy's packed bytes, ops.decode_sums reads them back as
+    float32(sum) * v bitwise, in C++ and in the NDArray reference: random codes (code
+    3 included: it counts 0), at a size of several blocks and a short last group."""
+    rng = np.random.RandomState(1000 + workers)
+    d = sums.digits_per_group(workers)
+    n = 16 * d * 64 * 2 + int(rng.randint(1, 16 * d))       # the C++ blocks and a tail
+    words = rng.randint(-2 ** 31, 2 ** 31, size=(workers, -(-n // 16)), dtype=np.int64)
+    codes = mx.nd.array(words.astype(np.int32), dtype=np.int32)
+    want = sums.pack_sums(sums.sum_codes(list(words.astype(np.int32)), n), workers)
+    v = float(np.float32(rng.uniform(1e-3, 10)))
+    dense = sums.unpack_sums(want, n, workers).astype(np.float32) * np.float32(v)
+    for impl in (ops, reference):
+        packed = impl.sum_2bit(codes, n)
+        assert packed.dtype == np.uint8
+        np.testing.assert_array_equal(packed.asnumpy(), want)
+        got = impl.decode_sums(packed, v, (n,), workers).asnumpy()
+        np.testing.assert_array_equal(got.view(np.int32), dense.view(np.int32))
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 4, 12, 20, 64, 127])
+def test_decode_reads_every_group_and_marks_those_never_written(workers):
+    """Every uint16 group, in both implementations: a group below (2W+1)^d decodes to
+    its digits minus W (numpy's table), one at or above it to NaN."""
+    d, base = sums.digits_per_group(workers), 2 * workers + 1
+    groups = np.arange(1 << 16, dtype="<u2")
+    n = d * len(groups)
+    packed = mx.nd.array(groups.view(np.uint8), dtype=np.uint8)
+    written = groups < base ** d
+    want = np.full((len(groups), d), np.nan, np.float32)
+    digits = (groups[written, None].astype(np.int64) // base ** np.arange(d)) % base
+    want[written] = (digits - workers).astype(np.float32) * np.float32(0.5)
+    for impl in (ops, reference):
+        got = impl.decode_sums(packed, 0.5, (n,), workers).asnumpy().reshape(-1, d)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_operators_refuse_bad_arguments():
+    codes = mx.nd.zeros((3, 2), dtype=np.int32)
+    with pytest.raises(ValueError, match=r"shape \(W, 2\) for 20 elements"):
+        ops.sum_2bit(mx.nd.zeros((3, 1), dtype=np.int32), 20)
+    with pytest.raises(ValueError, match="1 <= W <= 127"):
+        ops.sum_2bit(mx.nd.zeros((128, 2), dtype=np.int32), 20)
+    with pytest.raises(TypeError, match="int32"):
+        ops.sum_2bit(codes.astype(np.float32), 20)
+    packed = ops.sum_2bit(codes, 20)
+    with pytest.raises(ValueError, match="must have shape"):
+        ops.decode_sums(packed, 1.0, (21,), 3)
+    with pytest.raises(ValueError, match="at most 127"):
+        ops.decode_sums(packed, 1.0, (20,), 128)
+    with pytest.raises(ValueError, match="value must be finite and > 0"):
+        ops.decode_sums(packed, float("nan"), (20,), 3)
 
 
 def test_out_of_range_sums_and_worker_counts_are_refused():
@@ -123,8 +179,9 @@ def test_agreed_scale_quantizes_every_worker_alike(seed):
         assert (np.sign(residual[sent]) * np.sign(a[sent]) >= 0).all()
         assert (np.abs(residual) <= np.abs(a)).all()
         assert second[w].scalars == (np.float32(v), pytest.approx(np.abs(a).sum(), rel=1e-5))
-    np.testing.assert_array_equal(total, np.sum(want_codes, axis=0).reshape(-1))
-    np.testing.assert_array_equal(decode_sums(header, total),
+    np.testing.assert_array_equal(sums.unpack_sums(total.asnumpy(), plan.size, workers),
+                                  np.sum(want_codes, axis=0).reshape(-1))
+    np.testing.assert_array_equal(decode_sums(header, total, (plan.size,), workers).asnumpy(),
                                   np.sum(want_codes, axis=0).reshape(-1).astype(np.float32)
                                   * np.float32(v))
 
@@ -186,7 +243,7 @@ def test_sum_pull_through_the_servers_sum(workers):
         assert pulled.size == c.pull_rows * c.cols
         aggregate, header = summed_aggregate(c, pulled)
         np.testing.assert_array_equal(
-            aggregate, want[c.lo:c.hi].astype(np.float32) * np.float32(1.3))
+            aggregate.asnumpy(), want[c.lo:c.hi].astype(np.float32) * np.float32(1.3))
         assert header[0] == np.float32(1.3)
         assert header[1] == pytest.approx(sum(p.scalars[1] for p in payloads), rel=1e-6)
 

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import mxhylo.ops as ops
-from mxhylo.ops import build, reference
+from mxhylo.ops import build, reference, sums
 
 F32 = np.float32
 FORCED_REFERENCE = os.environ.get("MXHYLO_OPS", "").lower() == "reference"
@@ -878,6 +878,10 @@ def isa_inputs():
                 g.reshape(shape[0], -1)[3, 5] = np.inf          # infinite input: untouched
             cases["b_%s_%s" % ("x".join(map(str, shape)), np.dtype(dtype).name)] = (
                 "bound", g, r, 0.7)
+    for workers in [1, 2, 4, 16, 127]:
+        n = 16 * sums.digits_per_group(workers) * 64 + int(rng.randint(1, 40))
+        words = rng.randint(-2 ** 31, 2 ** 31, size=(workers, -(-n // 16)), dtype=np.int64)
+        cases["sum_%d" % workers] = ("sums", words.astype(np.int32), np.zeros(n, F32), 0.3)
     return cases
 
 
@@ -908,6 +912,10 @@ def isa_child(path):
             acc = nd(y)
             ops.dequantize_2bit(nd(x), p * 3, (n,), out=acc, accumulate=True)
             out[name + "/accumulated"] = acc.asnumpy()
+        elif op == "sums":
+            packed = ops.sum_2bit(nd(x), y.size)
+            out[name + "/packed"] = packed.asnumpy()
+            out[name + "/decoded"] = ops.decode_sums(packed, p, (y.size,), len(x)).asnumpy()
         elif op == "bound":
             res = nd(y)
             out[name + "/cut"] = ops.bound_rows(res, nd(x), p).asnumpy()
@@ -1002,6 +1010,12 @@ def test_native_build_matches_numpy(isa_outputs):
         elif op == "dequantize":
             np.testing.assert_array_equal(bits(out[name + "/decoded"]),
                                           bits(np_dequantize(x, p, (y.size,))), err_msg=name)
+        elif op == "sums":
+            want = sums.pack_sums(sums.sum_codes(list(x), y.size), len(x))
+            np.testing.assert_array_equal(out[name + "/packed"], want, err_msg=name)
+            decoded = sums.unpack_sums(want, y.size, len(x)).astype(F32) * F32(p)
+            np.testing.assert_array_equal(bits(out[name + "/decoded"]), bits(decoded),
+                                          err_msg=name)
         elif op == "bound":
             want = mx.nd.array(y)
             cut = ops.reference.bound_rows(want, mx.nd.array(x, dtype=x.dtype), p)

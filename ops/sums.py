@@ -1,6 +1,8 @@
-"""Integer sums of W workers' 2-bit codes, and their packing for the way back.
+"""Integer sums of W workers' 2-bit codes, and their packing for the way back: the
+format, in numpy. The oracle of the C++ operators sum_2bit and decode_sums
+(mxhylo.ops), which the stores call.
 
-A shared-scale codec (kvstore.codec_shared) quantizes a layer on every worker with
+A shared-scale codec (mxhylo.kvstore.codec_shared) quantizes a layer on every worker with
 the same value v, so each worker's element is c * v with c in {-1, 0, +1}, and the
 aggregate of W workers is v times an integer in [-W, W]. The servers add the codes as
 integers (:func:`sum_codes`) and hand the workers the sums packed in base B = 2W + 1
@@ -96,6 +98,14 @@ def pack_sums(sums, num_workers):
 
 def unpack_sums(data, n, num_workers):
     """Inverse of :func:`pack_sums`: uint8 bytes -> int16 (n,) sums in [-W, W]."""
+    value = check_packed(data, n, num_workers)
+    return _sum_table(num_workers)[value].reshape(-1)[:n].astype(np.int16)
+
+
+def check_packed(data, n, num_workers):
+    """Raise ValueError unless uint8 ``data`` holds n sums of ``num_workers`` workers
+    as :func:`pack_sums` writes them (enough bytes, every group below B ** d); return
+    the groups (little-endian uint16 numpy)."""
     d, base = digits_per_group(num_workers), 2 * num_workers + 1
     groups = -(-n // d)
     if len(data) < 2 * groups:
@@ -106,7 +116,7 @@ def unpack_sums(data, n, num_workers):
         raise ValueError("packed sums of %d workers hold a group of %d or more (%d digits "
                          "of base %d): not what pack_sums writes"
                          % (num_workers, base ** d, d, base))
-    return _sum_table(num_workers)[value].reshape(-1)[:n].astype(np.int16)
+    return value
 
 
 def _check_workers(num_workers):
