@@ -56,7 +56,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from .compressors import make_compressors
-from ..ops.sums import packed_nbytes
+from ..ops.formats import packed_nbytes
 
 # the codecs' own facts: which aggregates the servers sum as integers (codec_shared)
 _CODECS = make_compressors()

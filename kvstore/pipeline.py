@@ -9,8 +9,9 @@
 3. exchange: the transport moves the payload and returns the aggregate of all
    workers' decoded payloads (kvstore.transport_local in one process,
    kvstore.transport_ps over MXNet's parameter server, kvstore.transport_horovod);
-4. finish: the stages rewrite the aggregate where they must (momentum correction),
-   and a shared-scale codec sets the next step's scale from what the pull agreed;
+4. finish: the stages rewrite the aggregate where they must (momentum correction);
+   once the aggregates are written, a shared-scale codec sets the next step's scale
+   from what the pull agreed;
 5. write: the float32 aggregate is copied into every output (cast to its dtype).
 
 Each layer goes to step 3 as soon as it is encoded (the servers start while later
@@ -114,13 +115,14 @@ class StepPipeline:
         for i, t in zip(order, in_order):
             traffic[i] = t
         clock = self.traffic.time("exchange", clock)
-        for layer, agg, t in zip(layers, aggregates, traffic):            # 4. finish
-            if t.agreed is not None:    # a shared scale: the next step's (codec_shared)
-                self.compressors[layer.plan.strategy].agree(
-                    layer.plan, t.agreed, self.transport.num_workers, self.memory)
+        for layer, agg in zip(layers, aggregates):                        # 4. finish
             layer.stages.finish(layer, agg, step)
         self.transport.wait(layers, aggregates, traffic)   # bounded: kvstore.watchdog
         clock = self.traffic.time("wait", clock)
+        for layer, t in zip(layers, traffic):
+            if t.agreed is not None:    # a shared scale: the next step's (codec_shared)
+                self.compressors[layer.plan.strategy].agree(
+                    layer.plan, t.agreed, self.transport.num_workers, self.memory)
         for layer, t, enc in zip(layers, traffic, encode_s):
             self.traffic.record(layer.plan, t.pushed, t.pulled, t.messages, t.per_server,
                                 seconds=enc + t.pull_s,

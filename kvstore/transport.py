@@ -26,7 +26,8 @@ class Traffic:
     while an earlier one was awaited costs little here); pushed_at: time.perf_counter()
     when the layer's first push was handed to the network library (None: no push);
     agreed: a shared-scale codec's payload scalars summed over the workers, alike on
-    every worker (kvstore.codec_shared), or None.
+    every worker (kvstore.codec_shared), or None; set by the time the transport's
+    wait() returns.
     """
     pushed: int = 0
     pulled: int = 0

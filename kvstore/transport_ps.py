@@ -24,7 +24,7 @@ from .transport import Traffic, Transport, wait_timed
 from .watchdog import StallWatchdog
 from .wire import (BIGARRAY_BOUND, DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, ROW_ID_BYTES,
                    ChunkLayout, empty_push, gather_payloads, push_slot, push_rows,
-                   summed_aggregate)
+                   summed_aggregate, agreed_header)
 
 # The keys' sizes (tuning constants, not options: tests of the cutting set them lower).
 # The largest piece of a layer in one parameter-server key, in float32 elements.
@@ -168,6 +168,9 @@ class PSTransport(Transport):
         self.watchdog = StallWatchdog(stall_timeout, rank=self.rank)
         self._exchanges = 0
         self._codecs = make_compressors()      # wire forms of pushes, decoders of pulls
+        # id(Traffic) -> (Traffic, layer name, [(header, count) of each chunk]): a 'sum'
+        # pull's header NDArrays, read once wait() has seen the pull land
+        self._headers = {}
         self.keys.check_servers_decode()
 
     # -- keys (kvstore.ps_keys) ----------------------------------------------------------
@@ -354,8 +357,11 @@ class PSTransport(Transport):
         if chunk.pull == "none":
             piece[:] = rows[:chunk.size]
         elif chunk.pull == "sum":
-            _, p.traffic.agreed = summed_aggregate(
-                chunk, rows[:chunk.pull_rows * chunk.cols], out=piece)
+            # decoded in MXNet's engine; the header is read after the wait
+            _, header, bad = summed_aggregate(chunk, rows[:chunk.pull_rows * chunk.cols],
+                                              out=piece)
+            self._headers.setdefault(id(p.traffic), (p.traffic, p.name, []))[2].append(
+                (header, bad))
         else:
             # decoded in rank order, as the server decodes a dense pull: bitwise equal
             target = piece.reshape((chunk.rows_filters, chunk.cols)) \
@@ -376,6 +382,11 @@ class PSTransport(Transport):
             wait_timed(agg, t)
             self.watchdog.settled_layer(layer.plan.name)
         self.watchdog.end()
+        headers, self._headers = self._headers, {}
+        for t, name, chunks in headers.values():
+            # every chunk of a layer carries the layer's whole summed header
+            for header, bad in chunks:
+                t.agreed = agreed_header(name, header, bad)
 
     def _bucket(self, group, members, routed):
         """The Bucket of prepare()'s ``group`` (layers, in its order), filled from the

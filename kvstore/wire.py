@@ -35,7 +35,7 @@ drop them, and its pull reads rows by position); a worker pulls rows [0, pull_ro
 * ``pull='sum'`` (every 'slots' chunk of a shared-scale codec, kvstore.codec_shared,
   whatever pull was asked for): the header scalars summed over the workers in rank order (first
   the shared value v, which every worker pushed alike), then the integer sums of the
-  workers' codes packed in base 2W + 1 (mxhylo.ops.sums), as pack_bytes writes bytes.
+  workers' codes packed in base 2W + 1 (mxhylo.ops.formats), as pack_bytes writes bytes.
   Its size does not grow with W past log2(2W + 1) bits per element, and its decode
   v * sum is exact whatever order the pushes came in.
 
@@ -53,7 +53,7 @@ import numpy as np
 
 from .compressors import CODEC_NAMES, Payload, make_compressors
 from .. import ops
-from ..ops.sums import check_packed, packed_nbytes
+from ..ops.formats import carrier_values, pack_bytes, packed_nbytes, unpack_bytes
 
 # the dense aggregate, the payloads gathered, or a shared-scale codec's integer sums
 PULL_CODECS = ("none", "gather", "sum")
@@ -69,7 +69,6 @@ DEFAULT_CHUNK_ELEMENTS = 976 * ROW_DATA  # a whole number of rows, under 1e6
 # Layers of at least this many elements are spread evenly over all servers.
 DEFAULT_SPLIT_MIN = 1 << 18
 BIGARRAY_BOUND = (1 << 31) - 1  # MXNET_KVSTORE_BIGARRAY_BOUND of hylo's store (an int): no split
-_WORD_MASK = (1 << 30) - 1    # pack_bytes: 30 payload bits per float32 value
 PIECE_UNIT = 16               # pieces of a layer start at multiples of this (a 2-bit word)
 # the codecs' layout facts (wire, scalars, byte spans; kvstore.codec), by strategy name
 _CODECS = make_compressors()
@@ -151,7 +150,7 @@ class ChunkLayout:
 
 def slot_values(n_bytes):
     """float32 values that carry n_bytes of a payload (pack_bytes: 15 bytes in 4)."""
-    return 4 * -(-n_bytes // 15)
+    return carrier_values(n_bytes)
 
 
 def _pieces(n, chunk_elements, num_servers, split_min, unit, wire_fraction=1.0):
@@ -377,45 +376,62 @@ def sum_headers(scalars):
 
 
 def decode_sums(header, packed, shape, num_workers, out=None):
-    """The aggregate of a 'sum' pull: float32 v * sum of each element, rounded once
-    (ops.decode_sums), of ``shape``, into ``out`` if given. packed: uint8, NDArray or
-    numpy (checked: a group sum_2bit never writes raises ValueError)."""
-    if not isinstance(packed, mx.nd.NDArray):
-        check_packed(packed, int(np.prod(shape)), num_workers)
-        packed = mx.nd.array(packed, dtype=np.uint8)
-    return ops.decode_sums(packed, header[0], shape, num_workers, out=out)
+    """The aggregate of a 'sum' pull from its header (a tuple, v first) and its packed
+    sums (uint8 NDArray): float32 v * sum of each element, rounded once
+    (ops.decode_sums), of ``shape``, into ``out`` if given."""
+    scale = mx.nd.array(header[:1], ctx=packed.context, dtype=np.float32)
+    return ops.decode_sums(packed, scale, shape, num_workers, out=out)
 
 
 def sum_values(layout, received):
     """The server's side of a 'sum' pull: the summed pushes (row_sparse NDArray of the
-    key: every worker's slot) -> what the workers pull (float32 numpy, see the module
-    docstring). Read by :func:`summed_aggregate`."""
-    data = received.data.asnumpy().reshape(-1)
-    per_slot = layout.slot_rows * layout.cols
-    n, nbytes = _CODECS[layout.codec].scalars, _CODECS[layout.codec].byte_span(0, layout.size)[1]
-    slots = [data[w * per_slot:(w + 1) * per_slot] for w in range(layout.slots)]
-    header = sum_headers([tuple(float(v) for v in slot[:n]) for slot in slots])
-    # each slot's code words as slot_payload reads them, one row per worker
-    codes = np.stack([unpack_bytes(slot[n:], nbytes).view(np.int32) for slot in slots])
-    packed = pack_bytes(ops.sum_2bit(mx.nd.array(codes, dtype=np.int32),
-                                     layout.size).asnumpy())
-    out = np.zeros(layout.pull_rows * layout.cols, np.float32)
-    out[:len(header)] = header
-    out[len(header):len(header) + len(packed)] = packed
+    key: every worker's slot) -> what the workers pull (float32 NDArray (pull_rows *
+    cols,), see the module docstring). Read by :func:`summed_aggregate`. ValueError
+    naming the worker whose slot holds a value pack_bytes never writes, or if the
+    shared values differ."""
+    codec = _CODECS[layout.codec]
+    n, nbytes = codec.scalars, codec.byte_span(0, layout.size)[1]
+    slots = received.data.reshape((layout.slots, layout.slot_rows * layout.cols))
+    header = sum_headers([tuple(float(v) for v in row) for row in slots[:, :n].asnumpy()])
+    # each slot's code bytes as slot_payload reads them, one row per worker
+    codes, bad = ops.unpack_bytes(
+        mx.nd.slice(slots, begin=(None, n), end=(None, n + slot_values(nbytes))), nbytes)
+    bad = bad.asnumpy()
+    if bad.any():
+        raise ValueError("worker rank %d's payload: a slot payload value is not one "
+                         "pack_bytes writes (%d of them): the payload was altered on the way"
+                         % (int(np.flatnonzero(bad)[0]), int(bad.max())))
+    packed = ops.pack_bytes(ops.sum_2bit(codes, layout.size))
+    out = mx.nd.zeros((layout.pull_rows * layout.cols,), dtype=np.float32)
+    out[:n] = mx.nd.array(header, dtype=np.float32)
+    out[n:n + packed.size] = packed
     return out
 
 
 def summed_aggregate(layout, values, out=None):
-    """The workers' side of a 'sum' pull: pulled float32 values (numpy or NDArray) ->
-    (the aggregate, float32 NDArray (size,), written into ``out`` if given; the
-    header, v first)."""
-    if isinstance(values, mx.nd.NDArray):
-        values = values.asnumpy()
-    values = np.asarray(values, np.float32).reshape(-1)
+    """The workers' side of a 'sum' pull: pulled float32 values (NDArray (pull_rows *
+    cols,)) -> (the aggregate, float32 NDArray (size,), written into ``out`` if given;
+    the header, float32 NDArray (scalars,), v first; float32 NDArray (1,): how many
+    pulled values pack_bytes never writes, which must be 0). Nothing waits here: the
+    operators run in MXNet's engine once the pull has landed; a caller reads the
+    header and the count after the pull (:func:`agreed_header`)."""
     n = _CODECS[layout.codec].scalars
-    header = tuple(float(v) for v in values[:n])
-    data = unpack_bytes(values[n:], packed_nbytes(layout.size, layout.slots))
-    return decode_sums(header, data, (layout.size,), layout.slots, out=out), header
+    nbytes = packed_nbytes(layout.size, layout.slots)
+    header = values[:n]
+    packed, bad = ops.unpack_bytes(values[n:n + slot_values(nbytes)], nbytes)
+    aggregate = ops.decode_sums(packed, header, (layout.size,), layout.slots, out=out)
+    return aggregate, header, bad
+
+
+def agreed_header(name, header, bad):
+    """summed_aggregate's header and count, read once the pull has landed -> the header
+    as a tuple of floats. ValueError naming layer ``name`` if a pulled value was not
+    one pack_bytes writes (its aggregate would be garbage)."""
+    bad = float(bad.asscalar())
+    if bad:
+        raise ValueError("layer %r: %d pulled values of its 'sum' pull are not ones "
+                         "pack_bytes writes: the pull was altered on the way" % (name, bad))
+    return tuple(float(v) for v in header.asnumpy())
 
 
 def gather_payloads(layout, values):
@@ -536,48 +552,3 @@ def blob_payloads(data, shape):
         payloads.append(Blob(payload, total))
         at += total
     return payloads
-
-
-def pack_bytes(data):
-    """Payload bytes (uint8) -> float32 values, 30 bits each (15 bytes in 4 values).
-
-    Each value is a *normal* float32: bit 29 of the 30 goes to the sign, bits 23-28 to
-    the exponent field plus one (1..64: never zero, Inf or NaN), bits 0-22 to the
-    mantissa. A normal number plus zero is that number, bit for bit, in every rounding
-    and flush-to-zero mode, so the servers' sum of other workers' empty slots cannot
-    alter a payload; zeros, denormals, Inf and NaN, which raw bit patterns would
-    produce, could be altered or canonicalised. 3.75 payload bytes per value (24-bit
-    integers carried 3). Read by :func:`unpack_bytes`.
-    """
-    pad = (-len(data)) % 15
-    groups = np.zeros((-(-len(data) // 15), 16), np.uint8)
-    flat = np.concatenate([data, np.zeros(pad, np.uint8)]) if pad else data
-    groups[:, :15] = flat.reshape(-1, 15)
-    lo, hi = groups.view("<u8").T                     # bits 0-63 and 64-119 of a group
-    mask = np.uint64(_WORD_MASK)
-    words = np.empty((len(lo), 4), np.uint64)
-    words[:, 0] = lo & mask
-    words[:, 1] = (lo >> np.uint64(30)) & mask
-    words[:, 2] = ((lo >> np.uint64(60)) | (hi << np.uint64(4))) & mask
-    words[:, 3] = (hi >> np.uint64(26)) & mask
-    w = words.reshape(-1).astype(np.uint32)
-    bits = ((w >> 29) << 31) | ((((w >> 23) & 0x3F) + 1) << 23) | (w & 0x7FFFFF)
-    return bits.view(np.float32)
-
-
-def unpack_bytes(values, n_bytes):
-    """Inverse of pack_bytes: float32 values (a multiple of 4 of them, or the first of
-    a slot's values) -> the first n_bytes (uint8)."""
-    n_values = 4 * -(-n_bytes // 15)
-    bits = np.ascontiguousarray(values[:n_values], np.float32).view(np.uint32)
-    exponent = (bits >> 23) & 0xFF
-    if bits.size and (exponent.min() < 1 or exponent.max() > 64):
-        raise ValueError("a slot payload value is not one pack_bytes writes (exponent "
-                         "field %d..%d): the payload was altered on the way"
-                         % (exponent.min(), exponent.max()))
-    w = ((bits >> 31) << 29) | ((exponent - 1) << 23) | (bits & 0x7FFFFF)
-    w = w.astype(np.uint64).reshape(-1, 4)
-    groups = np.empty((len(w), 2), np.uint64)
-    groups[:, 0] = w[:, 0] | (w[:, 1] << np.uint64(30)) | (w[:, 2] << np.uint64(60))
-    groups[:, 1] = (w[:, 2] >> np.uint64(4)) | (w[:, 3] << np.uint64(26))
-    return groups.view(np.uint8).reshape(-1, 16)[:, :15].reshape(-1)[:n_bytes]

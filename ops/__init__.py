@@ -28,12 +28,12 @@ import warnings
 
 import numpy as np
 
-from . import _checks, _cpp, build, reference, sums
+from . import _checks, _cpp, build, formats, reference
 
 __all__ = ["backend", "quantize_2bit", "settle_2bit", "l1_stats", "dequantize_2bit",
            "select_kernels", "scatter_kernels", "momentum_velocity", "momentum_correct",
-           "bound_rows", "sum_2bit", "decode_sums",
-           "set_num_threads", "sums", "reference", "build"]
+           "bound_rows", "sum_2bit", "decode_sums", "pack_bytes", "unpack_bytes",
+           "set_num_threads", "formats", "reference", "build"]
 
 _lock = threading.Lock()
 _backend = []  # [name] once resolved
@@ -285,14 +285,15 @@ def bound_rows(residual, grad, bound):
 
 def sum_2bit(codes, size):
     """The integer sums of W workers' 2-bit codes, packed for the way back (the
-    servers' side of a shared-scale codec's 'sum' pull; format: mxhylo.ops.sums).
+    servers' side of a shared-scale codec's 'sum' pull; format: mxhylo.ops.formats).
 
     codes: int32 (W, ceil(size/16)), row w the code words quantize_2bit gave worker
-    w (1 <= W <= 127); code 1 counts +1, 2 counts -1, 0 and 3 count 0.
+    w, or uint8 (W, 4 * ceil(size/16)), their little-endian bytes (as unpack_bytes
+    gives them); 1 <= W <= 127. Code 1 counts +1, 2 counts -1, 0 and 3 count 0.
     size: the elements n the codes stand for.
-    Returns uint8 (sums.packed_nbytes(size, W),): each element's sum in [-W, W],
+    Returns uint8 (formats.packed_nbytes(size, W),): each element's sum in [-W, W],
     packed in base 2W + 1, digits_per_group(W) to a little-endian uint16; bitwise
-    sums.pack_sums(sums.sum_codes(rows, size), W).
+    formats.pack_sums(formats.sum_codes(rows, size), W).
     """
     size = _checks.sum_codes(codes, size, "sum_2bit")
     if _use_cpp(codes):
@@ -300,19 +301,38 @@ def sum_2bit(codes, size):
     return reference._sum_2bit(codes, size)
 
 
-def decode_sums(packed, value, shape, num_workers, out=None):
+def decode_sums(packed, scale, shape, num_workers, out=None):
     """float32 of `shape`: element i = float32(s_i) * v, rounded once, s_i the sums
-    sum_2bit packed for ``num_workers`` workers, v = `value` rounded to float32.
+    sum_2bit packed for ``num_workers`` workers.
 
-    packed: uint8 (sums.packed_nbytes(n, W),), n = prod(shape). A uint16 group of
-    (2W + 1) ** d or more is never written by sum_2bit: its elements decode as NaN
-    (the caller checks the groups first when the bytes come off the wire:
-    sums.check_packed). out: optional float32 NDArray of `shape`. Returns out, or a
-    new array.
+    packed: uint8 (formats.packed_nbytes(n, W),), n = prod(shape). scale: float32
+    NDArray whose first value is v (a pulled header, read where the op runs: no
+    wait for it here). A uint16 group of (2W + 1) ** d or more is never written by
+    sum_2bit: its elements decode as NaN. out: optional float32 NDArray of `shape`.
+    Returns out, or a new array.
     """
-    v, text = _checks.threshold32(value, "decode_sums", what="value")
-    shape, w = _checks.packed_sums(packed, shape, num_workers, "decode_sums")
-    _checks.out_array(out, shape, packed.context, "decode_sums")
+    shape, w = _checks.decode_sums(packed, scale, shape, num_workers, out)
     if _use_cpp(packed):
-        return _cpp.decode_sums(packed, text, shape, w, out)
-    return reference._decode_sums(packed, float(v), shape, w, out)
+        return _cpp.decode_sums(packed, scale, shape, w, out)
+    return reference._decode_sums(packed, scale, shape, w, out)
+
+
+def pack_bytes(data):
+    """Bytes in float32 carriers: uint8 (b,) -> float32 (4 * ceil(b/15),), 15 bytes
+    in 4 normal float32 values (format: mxhylo.ops.formats.pack_bytes, bitwise)."""
+    _checks.pack_bytes(data)
+    if _use_cpp(data):
+        return _cpp.pack_bytes(data)
+    return reference._pack_bytes(data)
+
+
+def unpack_bytes(values, nbytes):
+    """The inverse of pack_bytes, row by row: float32 (m,) or (R, m), each row's
+    first 4 * ceil(nbytes/15) values carrying nbytes bytes -> (uint8 (nbytes,) or
+    (R, nbytes); float32 (R,) (R = 1 for 1-D values): per row, the values no
+    pack_bytes writes (exponent field outside 1..64), whose bytes are garbage: the
+    caller refuses a row that has any)."""
+    nbytes = _checks.unpack_bytes(values, nbytes)
+    if _use_cpp(values):
+        return _cpp.unpack_bytes(values, nbytes)
+    return reference._unpack_bytes(values, nbytes)

@@ -10,7 +10,7 @@ import numbers
 import mxnet as mx
 import numpy as np
 
-from . import sums
+from . import formats
 
 GRAD_DTYPES = (np.float32, np.float16)
 
@@ -117,14 +117,15 @@ def positive_int(x, name, op):
 
 
 def sum_codes(c, size, op):
-    """sum_2bit's arguments: int32 codes (W, ceil(size/16)), 1 <= W <= 127; returns
-    size as an int."""
+    """sum_2bit's arguments: int32 codes (W, ceil(size/16)) or their uint8 bytes (W,
+    4 * ceil(size/16)), 1 <= W <= 127; returns size as an int."""
     size = positive_int(size, "size", op)
-    ndarray(c, "codes", (np.int32,), op)
-    if c.ndim != 2 or c.shape[1] != num_words(size) or \
-            not 1 <= c.shape[0] <= sums.MAX_WORKERS:
-        raise ValueError("%s: codes must have shape (W, %d) for %d elements, 1 <= W <= %d, "
-                         "got %s" % (op, num_words(size), size, sums.MAX_WORKERS, c.shape))
+    ndarray(c, "codes", (np.int32, np.uint8), op)
+    width = num_words(size) * (4 if c.dtype == np.uint8 else 1)
+    if c.ndim != 2 or c.shape[1] != width or not 1 <= c.shape[0] <= formats.MAX_WORKERS:
+        raise ValueError("%s: %s codes must have shape (W, %d) for %d elements, 1 <= W <= "
+                         "%d, got %s" % (op, np.dtype(c.dtype).name, width, size,
+                                         formats.MAX_WORKERS, c.shape))
     return size
 
 
@@ -133,15 +134,43 @@ def packed_sums(packed, shape, num_workers, op):
     returns (shape as a tuple, num_workers as an int)."""
     shape = shape_tuple(shape, op)
     w = positive_int(num_workers, "num_workers", op)
-    if w > sums.MAX_WORKERS:
+    if w > formats.MAX_WORKERS:
         raise ValueError("%s: num_workers must be at most %d, got %d"
-                         % (op, sums.MAX_WORKERS, w))
+                         % (op, formats.MAX_WORKERS, w))
     ndarray(packed, "packed", (np.uint8,), op)
-    want = sums.packed_nbytes(int(np.prod(shape)), w)
+    want = formats.packed_nbytes(int(np.prod(shape)), w)
     if packed.shape != (want,):
         raise ValueError("%s: packed sums of %d elements of %d workers must have shape "
                          "(%d,), got %s" % (op, int(np.prod(shape)), w, want, packed.shape))
     return shape, w
+
+
+def decode_sums(packed, scale, shape, num_workers, out, op="decode_sums"):
+    """decode_sums' arguments; returns (shape as a tuple, num_workers as an int)."""
+    shape, w = packed_sums(packed, shape, num_workers, op)
+    ndarray(scale, "scale", (np.float32,), op)
+    if scale.ndim != 1:
+        raise ValueError("%s: scale must be 1-D, got shape %s" % (op, scale.shape))
+    same_context(op, ("packed", packed), ("scale", scale))
+    out_array(out, shape, packed.context, op)
+    return shape, w
+
+
+def pack_bytes(data, op="pack_bytes"):
+    ndarray(data, "data", (np.uint8,), op)
+    if data.ndim != 1:
+        raise ValueError("%s: data must be 1-D, got shape %s" % (op, data.shape))
+
+
+def unpack_bytes(values, nbytes, op="unpack_bytes"):
+    """unpack_bytes' arguments; returns nbytes as an int."""
+    nbytes = positive_int(nbytes, "nbytes", op)
+    ndarray(values, "values", (np.float32,), op)
+    need = formats.carrier_values(nbytes)
+    if values.ndim not in (1, 2) or values.shape[-1] < need:
+        raise ValueError("%s: values must be (m,) or (rows, m) with m >= %d to carry %d "
+                         "bytes, got shape %s" % (op, need, nbytes, values.shape))
+    return nbytes
 
 
 def codes(c, n, op):

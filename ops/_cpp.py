@@ -78,6 +78,15 @@ def sum_2bit(codes, size):
     return mx.nd.hylo_sum_2bit(codes, size=str(size))
 
 
-def decode_sums(packed, value_text, shape, num_workers, out):
-    return mx.nd.hylo_decode_sums(packed, value=value_text, shape=_checks.shape_text(shape),
+def decode_sums(packed, scale, shape, num_workers, out):
+    return mx.nd.hylo_decode_sums(packed, scale, shape=_checks.shape_text(shape),
                                   workers=str(num_workers), out=out)
+
+
+def pack_bytes(data):
+    return mx.nd.hylo_pack_bytes(data)
+
+
+def unpack_bytes(values, nbytes):
+    data, bad = mx.nd.hylo_unpack_bytes(values, nbytes=str(nbytes))
+    return data, bad

@@ -16,7 +16,7 @@ both.
 import numpy as np
 import mxnet as mx
 
-from . import _checks, sums
+from . import _checks, formats
 
 _TWO32 = float(2 ** 32)
 _TWO31 = float(2 ** 31)
@@ -311,29 +311,55 @@ def sum_2bit(codes, size):
 
 
 def _sum_2bit(codes, size):
-    rows = list(codes.asnumpy())
-    packed = sums.pack_sums(sums.sum_codes(rows, size), len(rows))
+    rows = [np.ascontiguousarray(r).view(np.int32) for r in codes.asnumpy()]
+    packed = formats.pack_sums(formats.sum_codes(rows, size), len(rows))
     return mx.nd.array(packed, ctx=codes.context, dtype=np.uint8)
 
 
-def decode_sums(packed, value, shape, num_workers, out=None):
+def decode_sums(packed, scale, shape, num_workers, out=None):
     """See mxhylo.ops.decode_sums."""
-    v, _ = _checks.threshold32(value, "decode_sums", what="value")
-    shape, w = _checks.packed_sums(packed, shape, num_workers, "decode_sums")
-    _checks.out_array(out, shape, packed.context, "decode_sums")
-    return _decode_sums(packed, float(v), shape, w, out)
+    shape, w = _checks.decode_sums(packed, scale, shape, num_workers, out)
+    return _decode_sums(packed, scale, shape, w, out)
 
 
-def _decode_sums(packed, v, shape, num_workers, out):
+def pack_bytes(data):
+    """See mxhylo.ops.pack_bytes."""
+    _checks.pack_bytes(data)
+    return _pack_bytes(data)
+
+
+def unpack_bytes(values, nbytes):
+    """See mxhylo.ops.unpack_bytes."""
+    return _unpack_bytes(values, _checks.unpack_bytes(values, nbytes))
+
+
+def _decode_sums(packed, scale, shape, num_workers, out):
     n = int(np.prod(shape))
+    v = np.float32(scale[0].asscalar())
+    d = formats.digits_per_group(num_workers)
     groups = packed.asnumpy().view("<u2")
-    written = groups < (2 * num_workers + 1) ** sums.digits_per_group(num_workers)
-    total = sums.unpack_sums(np.where(written, groups, 0).astype("<u2").view(np.uint8),
-                             n, num_workers)
-    dense = total.astype(np.float32) * np.float32(v)    # one rounding, as in C++
-    dense[~np.repeat(written, sums.digits_per_group(num_workers))[:n]] = np.nan
+    written = groups < (2 * num_workers + 1) ** d
+    total = formats.unpack_sums(np.where(written, groups, 0).astype("<u2").view(np.uint8),
+                                n, num_workers)
+    dense = total.astype(np.float32) * v            # one rounding, as in C++
+    dense[~np.repeat(written, d)[:n]] = np.nan
     result = mx.nd.array(dense.reshape(shape), ctx=packed.context, dtype=np.float32)
     if out is None:
         return result
     out[:] = result
     return out
+
+
+def _pack_bytes(data):
+    return mx.nd.array(formats.pack_bytes(data.asnumpy()), ctx=data.context,
+                       dtype=np.float32)
+
+
+def _unpack_bytes(values, nbytes):
+    rows = values.asnumpy().reshape(-1, values.shape[-1])[:, :formats.carrier_values(nbytes)]
+    exponent = (rows.view(np.uint32) >> 23) & 0xFF
+    bad = ((exponent < 1) | (exponent > 64)).sum(axis=1).astype(np.float32)
+    data = np.stack([formats.unpack_bytes(r, nbytes, check=False) for r in rows])
+    data = data.reshape((nbytes,) if values.ndim == 1 else (len(rows), nbytes))
+    return (mx.nd.array(data, ctx=values.context, dtype=np.uint8),
+            mx.nd.array(bad, ctx=values.context, dtype=np.float32))

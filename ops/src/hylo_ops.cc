@@ -14,8 +14,12 @@
 //       -> indices int32 (max(k,1),), values f32 (max(k,1), F), stats f32 (2,)
 //   hylo_scatter_kernels(indices int32 (k,), values f32 (k,F); shape) -> dense f32
 //   hylo_scatter_kernels_add(indices, values, acc f32) -> acc with rows += values
-//   hylo_sum_2bit(codes int32 (W, ceil(n/16)); size) -> packed sums uint8
-//   hylo_decode_sums(packed uint8; value, workers, shape) -> out f32 shape
+//   hylo_sum_2bit(codes int32 (W, ceil(n/16)) | their bytes uint8; size)
+//       -> packed sums uint8
+//   hylo_decode_sums(packed uint8, scale f32 (first value used); workers, shape)
+//       -> out f32 shape
+//   hylo_pack_bytes(bytes uint8 (b,)) -> values f32 (4 ceil(b/15),)
+//   hylo_unpack_bytes(values f32 ([R,] m); nbytes) -> bytes uint8 ([R,] nbytes), bad f32 (R,)
 // The *_add operators are called with out=acc: MXNet then hands the same
 // buffer as input and output, so only the touched data is read and written.
 // Python (mxhylo/ops/__init__.py) validates arguments first and handles the
@@ -1337,8 +1341,8 @@ MXReturnValue sum_parse(const Attrs& attrs, int* nin, int* nout) {
 }
 
 MXReturnValue sum_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
-  if ((*in)[0] != kInt32) {
-    MX_ERROR_MSG << "hylo_sum_2bit: codes must be int32";
+  if ((*in)[0] != kInt32 && (*in)[0] != kUint8) {
+    MX_ERROR_MSG << "hylo_sum_2bit: codes must be int32 words or their uint8 bytes";
     return MX_FAIL;
   }
   (*out)[0] = kUint8;
@@ -1350,10 +1354,14 @@ MXReturnValue sum_shape(const Attrs& attrs, std::vector<std::vector<unsigned int
   int64_t n;
   if (!expect_inputs(*in, 1, "hylo_sum_2bit") || !parse_size(attrs, &n)) return MX_FAIL;
   const std::vector<unsigned int>& c = (*in)[0];
+  // (W, words) int32, or (W, 4 * words) uint8: MXNet infers shapes before types, so
+  // either width is taken here and the type function keeps them apart
+  const int64_t words = (n + 15) / 16;
   if (c.size() != 2 || c[0] < 1 || c[0] > kMaxSumWorkers ||
-      static_cast<int64_t>(c[1]) != (n + 15) / 16) {
-    MX_ERROR_MSG << "hylo_sum_2bit: codes must have shape (W, " << (n + 15) / 16
-                 << ") for " << n << " elements, 1 <= W <= " << kMaxSumWorkers;
+      (static_cast<int64_t>(c[1]) != words && static_cast<int64_t>(c[1]) != 4 * words)) {
+    MX_ERROR_MSG << "hylo_sum_2bit: codes must have shape (W, " << words << ") (int32) or (W, "
+                 << 4 * words << ") (uint8) for " << n << " elements, 1 <= W <= "
+                 << kMaxSumWorkers;
     return MX_FAIL;
   }
   const int64_t d = digits_per_group(static_cast<int>(c[0]));
@@ -1366,8 +1374,14 @@ MXReturnValue sum_forward(const Attrs& attrs, std::vector<MXTensor>* in,
   int64_t n;
   if (!parse_size(attrs, &n)) return MX_FAIL;
   const int workers = static_cast<int>((*in)[0].shape[0]);
-  const int64_t words = (*in)[0].shape[1];
-  const uint32_t* codes = (*in)[0].data<uint32_t>();
+  const int64_t words = (n + 15) / 16;
+  if ((*in)[0].shape[1] != ((*in)[0].dtype == kUint8 ? 4 * words : words)) {
+    MX_ERROR_MSG << "hylo_sum_2bit: " << (*in)[0].shape[1] << " columns of codes for " << n
+                 << " elements";
+    return MX_FAIL;
+  }
+  // uint8 rows are the words' little-endian bytes (x86 and every MXNet CPU target)
+  const uint32_t* codes = reinterpret_cast<const uint32_t*>((*in)[0].data_ptr);
   uint8_t* bytes = (*out)[0].data<uint8_t>();
   const int d = digits_per_group(workers);
   const uint32_t base = 2 * workers + 1;
@@ -1395,24 +1409,23 @@ MXReturnValue sum_forward(const Attrs& attrs, std::vector<MXTensor>* in,
 }
 
 MXReturnValue decode_sums_parse(const Attrs& attrs, int* nin, int* nout) {
-  float v;
   int64_t workers;
   std::vector<unsigned int> shape;
-  if (!parse_value(attrs, &v) || !parse_shape(attrs, &shape) ||
+  if (!parse_shape(attrs, &shape) ||
       !parse_int(attrs, "workers", &workers))
     return MX_FAIL;
   if (workers < 1 || workers > kMaxSumWorkers) {
     MX_ERROR_MSG << "hylo_decode_sums: workers must be in [1, " << kMaxSumWorkers << "]";
     return MX_FAIL;
   }
-  *nin = 1;
+  *nin = 2;
   *nout = 1;
   return MX_SUCCESS;
 }
 
 MXReturnValue decode_sums_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
-  if ((*in)[0] != kUint8) {
-    MX_ERROR_MSG << "hylo_decode_sums: packed sums must be uint8";
+  if ((*in)[0] != kUint8 || (*in)[1] != kFloat32) {
+    MX_ERROR_MSG << "hylo_decode_sums: packed sums must be uint8, the scale float32";
     return MX_FAIL;
   }
   (*out)[0] = kFloat32;
@@ -1423,7 +1436,7 @@ MXReturnValue decode_sums_shape(const Attrs& attrs, std::vector<std::vector<unsi
                                 std::vector<std::vector<unsigned int> >* out) {
   std::vector<unsigned int> shape;
   int64_t workers;
-  if (!expect_inputs(*in, 1, "hylo_decode_sums") || !parse_shape(attrs, &shape) ||
+  if (!expect_inputs(*in, 2, "hylo_decode_sums") || !parse_shape(attrs, &shape) ||
       !parse_int(attrs, "workers", &workers))
     return MX_FAIL;
   const int64_t n = shape_size(shape), d = digits_per_group(static_cast<int>(workers));
@@ -1432,16 +1445,20 @@ MXReturnValue decode_sums_shape(const Attrs& attrs, std::vector<std::vector<unsi
                  << " workers must have shape (" << 2 * ((n + d - 1) / d) << ",)";
     return MX_FAIL;
   }
+  if ((*in)[1].size() != 1 || (*in)[1][0] < 1) {
+    MX_ERROR_MSG << "hylo_decode_sums: the scale must be a 1-D array of at least 1 value";
+    return MX_FAIL;
+  }
   (*out)[0] = shape;
   return MX_SUCCESS;
 }
 
 MXReturnValue decode_sums_forward(const Attrs& attrs, std::vector<MXTensor>* in,
                                   std::vector<MXTensor>* out, const OpResource&) {
-  float v;
   int64_t workers64;
-  if (!parse_value(attrs, &v) || !parse_int(attrs, "workers", &workers64)) return MX_FAIL;
+  if (!parse_int(attrs, "workers", &workers64)) return MX_FAIL;
   const int workers = static_cast<int>(workers64);
+  const float v = (*in)[1].data<float>()[0];  // the pulled header's first value
   const uint8_t* bytes = (*in)[0].data<uint8_t>();
   float* o = (*out)[0].data<float>();
   const int64_t n = (*out)[0].size();
@@ -1484,6 +1501,161 @@ MXReturnValue decode_sums_forward(const Attrs& attrs, std::vector<MXTensor>* in,
       o[e] = written ? static_cast<float>(static_cast<int>(x % base) - workers) * v
                      : std::numeric_limits<float>::quiet_NaN();
   }
+  return MX_SUCCESS;
+}
+
+// ===================================================== bytes in float32 carriers
+// The parameter server moves and sums float32 values; a payload's bytes travel 30
+// bits per value, 15 bytes in 4 values (mxhylo/kvstore/wire.py's pack_bytes and
+// unpack_bytes, the numpy oracle). Each value is a normal float32: bit 29 of the 30
+// to the sign, bits 23-28 to the exponent field plus one (1..64), bits 0-22 to the
+// mantissa, so a server's sum with other workers' zeros leaves it bit for bit.
+const uint32_t kWord30 = (1u << 30) - 1;
+
+inline uint32_t carry_bits(uint32_t w) {
+  return ((w >> 29) << 31) | ((((w >> 23) & 0x3Fu) + 1) << 23) | (w & 0x7FFFFFu);
+}
+
+inline void pack_group(uint64_t lo, uint64_t hi, uint32_t* values) {  // hi: 56 bits
+  values[0] = carry_bits(static_cast<uint32_t>(lo) & kWord30);
+  values[1] = carry_bits(static_cast<uint32_t>(lo >> 30) & kWord30);
+  values[2] = carry_bits(static_cast<uint32_t>((lo >> 60) | (hi << 4)) & kWord30);
+  values[3] = carry_bits(static_cast<uint32_t>(hi >> 26) & kWord30);
+}
+
+void pack_carriers(const uint8_t* bytes, int64_t nbytes, uint32_t* values) {
+  int64_t at = 0, v = 0;
+  for (; at + 16 <= nbytes; at += 15, v += 4) {  // whole groups: 16-byte loads
+    uint64_t lo, hi;
+    std::memcpy(&lo, bytes + at, 8);
+    std::memcpy(&hi, bytes + at + 8, 8);
+    pack_group(lo, hi & 0x00FFFFFFFFFFFFFFull, values + v);
+  }
+  for (; at < nbytes; at += 15, v += 4) {  // the last one or two, zero-padded
+    uint8_t g[16] = {0};
+    std::memcpy(g, bytes + at, static_cast<size_t>(std::min<int64_t>(15, nbytes - at)));
+    uint64_t lo, hi;
+    std::memcpy(&lo, g, 8);
+    std::memcpy(&hi, g + 8, 8);
+    pack_group(lo, hi, values + v);
+  }
+}
+
+// The inverse; returns how many of the values pack_carriers never writes (exponent
+// field outside 1..64): their bytes are written all the same, and the caller refuses
+// the payload.
+inline void unpack_group(const uint32_t* values, uint64_t* lo, uint64_t* hi, int64_t* bad) {
+  uint64_t w[4];
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t b = values[j], e = (b >> 23) & 0xFFu;
+    *bad += (e < 1) | (e > 64);
+    w[j] = ((b >> 31) << 29) | (((e - 1) & 0x3Fu) << 23) | (b & 0x7FFFFFu);
+  }
+  *lo = w[0] | (w[1] << 30) | (w[2] << 60);
+  *hi = (w[2] >> 4) | (w[3] << 26);
+}
+
+int64_t unpack_carriers(const uint32_t* values, int64_t nbytes, uint8_t* bytes) {
+  int64_t bad = 0, at = 0, v = 0;
+  uint64_t lo, hi;
+  for (; at + 16 <= nbytes; at += 15, v += 4) {  // 16-byte stores: the next group
+    unpack_group(values + v, &lo, &hi, &bad);    // overwrites the 16th
+    std::memcpy(bytes + at, &lo, 8);
+    std::memcpy(bytes + at + 8, &hi, 8);
+  }
+  for (; at < nbytes; at += 15, v += 4) {
+    unpack_group(values + v, &lo, &hi, &bad);
+    uint8_t g[16];
+    std::memcpy(g, &lo, 8);
+    std::memcpy(g + 8, &hi, 8);
+    std::memcpy(bytes + at, g, static_cast<size_t>(std::min<int64_t>(15, nbytes - at)));
+  }
+  return bad;
+}
+
+int64_t carrier_values(int64_t nbytes) { return 4 * ((nbytes + 14) / 15); }
+
+MXReturnValue pack_bytes_parse(const Attrs&, int* nin, int* nout) {
+  *nin = 1;
+  *nout = 1;
+  return MX_SUCCESS;
+}
+
+MXReturnValue pack_bytes_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
+  if ((*in)[0] != kUint8) {
+    MX_ERROR_MSG << "hylo_pack_bytes: bytes must be uint8";
+    return MX_FAIL;
+  }
+  (*out)[0] = kFloat32;
+  return MX_SUCCESS;
+}
+
+MXReturnValue pack_bytes_shape(const Attrs&, std::vector<std::vector<unsigned int> >* in,
+                               std::vector<std::vector<unsigned int> >* out) {
+  if (!expect_inputs(*in, 1, "hylo_pack_bytes")) return MX_FAIL;
+  if ((*in)[0].size() != 1) {
+    MX_ERROR_MSG << "hylo_pack_bytes: bytes must be 1-D";
+    return MX_FAIL;
+  }
+  (*out)[0] = dims({carrier_values((*in)[0][0])});
+  return MX_SUCCESS;
+}
+
+MXReturnValue pack_bytes_forward(const Attrs&, std::vector<MXTensor>* in,
+                                 std::vector<MXTensor>* out, const OpResource&) {
+  pack_carriers((*in)[0].data<uint8_t>(), (*in)[0].size(), (*out)[0].data<uint32_t>());
+  return MX_SUCCESS;
+}
+
+MXReturnValue unpack_bytes_parse(const Attrs& attrs, int* nin, int* nout) {
+  int64_t nbytes;
+  if (!parse_int(attrs, "nbytes", &nbytes)) return MX_FAIL;
+  *nin = 1;
+  *nout = 2;
+  return MX_SUCCESS;
+}
+
+MXReturnValue unpack_bytes_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
+  if ((*in)[0] != kFloat32) {
+    MX_ERROR_MSG << "hylo_unpack_bytes: values must be float32";
+    return MX_FAIL;
+  }
+  (*out)[0] = kUint8;
+  (*out)[1] = kFloat32;
+  return MX_SUCCESS;
+}
+
+// values (R, m) or (m,), m >= carrier_values(nbytes): each row's first values carry
+// nbytes -> bytes (R, nbytes) (or (nbytes,)), bad f32 (R,): values per row that no
+// pack_bytes writes
+MXReturnValue unpack_bytes_shape(const Attrs& attrs, std::vector<std::vector<unsigned int> >* in,
+                                 std::vector<std::vector<unsigned int> >* out) {
+  int64_t nbytes;
+  if (!expect_inputs(*in, 1, "hylo_unpack_bytes") || !parse_int(attrs, "nbytes", &nbytes))
+    return MX_FAIL;
+  const std::vector<unsigned int>& v = (*in)[0];
+  if (v.empty() || v.size() > 2 || nbytes < 1 ||
+      static_cast<int64_t>(v.back()) < carrier_values(nbytes)) {
+    MX_ERROR_MSG << "hylo_unpack_bytes: values must be (m,) or (rows, m) with m >= "
+                 << carrier_values(nbytes) << " to carry " << nbytes << " bytes";
+    return MX_FAIL;
+  }
+  (*out)[0] = v.size() == 2 ? dims({v[0], nbytes}) : dims({nbytes});
+  (*out)[1] = dims({v.size() == 2 ? v[0] : 1});
+  return MX_SUCCESS;
+}
+
+MXReturnValue unpack_bytes_forward(const Attrs& attrs, std::vector<MXTensor>* in,
+                                   std::vector<MXTensor>* out, const OpResource&) {
+  int64_t nbytes;
+  if (!parse_int(attrs, "nbytes", &nbytes)) return MX_FAIL;
+  MXTensor& v = (*in)[0];
+  const int64_t rows = v.shape.size() == 2 ? v.shape[0] : 1, m = v.shape.back();
+  const uint32_t* values = v.data<uint32_t>();
+  uint8_t* bytes = (*out)[0].data<uint8_t>();
+  float* bad = (*out)[1].data<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    bad[r] = static_cast<float>(unpack_carriers(values + r * m, nbytes, bytes + r * nbytes));
   return MX_SUCCESS;
 }
 
@@ -1571,6 +1743,18 @@ REGISTER_OP(hylo_decode_sums)
     .setInferType(decode_sums_type)
     .setInferShape(decode_sums_shape)
     .setForward(decode_sums_forward, "cpu");
+
+REGISTER_OP(hylo_pack_bytes)
+    .setParseAttrs(pack_bytes_parse)
+    .setInferType(pack_bytes_type)
+    .setInferShape(pack_bytes_shape)
+    .setForward(pack_bytes_forward, "cpu");
+
+REGISTER_OP(hylo_unpack_bytes)
+    .setParseAttrs(unpack_bytes_parse)
+    .setInferType(unpack_bytes_type)
+    .setInferShape(unpack_bytes_shape)
+    .setForward(unpack_bytes_forward, "cpu");
 
 MXReturnValue initialize(int version) {
   if (version < 10900) {

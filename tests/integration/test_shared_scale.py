@@ -8,13 +8,13 @@ import pytest
 
 import mxhylo
 from mxhylo import ops
-from mxhylo.ops import reference, sums
+from mxhylo.ops import formats as sums, reference
 from mxhylo.kvstore.codec_shared import NOTHING_SENT
 from mxhylo.kvstore.compressors import make_compressors
 from mxhylo.kvstore.memory import ResidualMemory
 from mxhylo.kvstore.policy import LayerPlan
-from mxhylo.kvstore.wire import (plan_chunks, push_slot, sum_values, summed_aggregate,
-                                 sum_payloads, decode_sums)
+from mxhylo.kvstore.wire import (agreed_header, decode_sums, plan_chunks, push_slot,
+                                 sum_payloads, sum_values, summed_aggregate)
 
 CODEC = make_compressors()["shared_2bit"]
 
@@ -75,7 +75,7 @@ def test_operators_sum_and_decode_as_numpy_for_every_worker_count(workers):
         packed = impl.sum_2bit(codes, n)
         assert packed.dtype == np.uint8
         np.testing.assert_array_equal(packed.asnumpy(), want)
-        got = impl.decode_sums(packed, v, (n,), workers).asnumpy()
+        got = impl.decode_sums(packed, mx.nd.array([v]), (n,), workers).asnumpy()
         np.testing.assert_array_equal(got.view(np.int32), dense.view(np.int32))
 
 
@@ -92,7 +92,8 @@ def test_decode_reads_every_group_and_marks_those_never_written(workers):
     digits = (groups[written, None].astype(np.int64) // base ** np.arange(d)) % base
     want[written] = (digits - workers).astype(np.float32) * np.float32(0.5)
     for impl in (ops, reference):
-        got = impl.decode_sums(packed, 0.5, (n,), workers).asnumpy().reshape(-1, d)
+        got = impl.decode_sums(packed, mx.nd.array([0.5, 7.0]), (n,),
+                               workers).asnumpy().reshape(-1, d)
         np.testing.assert_array_equal(got, want)
 
 
@@ -100,17 +101,59 @@ def test_operators_refuse_bad_arguments():
     codes = mx.nd.zeros((3, 2), dtype=np.int32)
     with pytest.raises(ValueError, match=r"shape \(W, 2\) for 20 elements"):
         ops.sum_2bit(mx.nd.zeros((3, 1), dtype=np.int32), 20)
+    with pytest.raises(ValueError, match=r"uint8 codes must have shape \(W, 8\)"):
+        ops.sum_2bit(mx.nd.zeros((3, 2), dtype=np.uint8), 20)
     with pytest.raises(ValueError, match="1 <= W <= 127"):
         ops.sum_2bit(mx.nd.zeros((128, 2), dtype=np.int32), 20)
-    with pytest.raises(TypeError, match="int32"):
+    with pytest.raises(TypeError, match="int32 or uint8"):
         ops.sum_2bit(codes.astype(np.float32), 20)
     packed = ops.sum_2bit(codes, 20)
+    one = mx.nd.ones((1,))
     with pytest.raises(ValueError, match="must have shape"):
-        ops.decode_sums(packed, 1.0, (21,), 3)
+        ops.decode_sums(packed, one, (21,), 3)
     with pytest.raises(ValueError, match="at most 127"):
-        ops.decode_sums(packed, 1.0, (20,), 128)
-    with pytest.raises(ValueError, match="value must be finite and > 0"):
-        ops.decode_sums(packed, float("nan"), (20,), 3)
+        ops.decode_sums(packed, one, (20,), 128)
+    with pytest.raises(TypeError, match="scale must have dtype float32"):
+        ops.decode_sums(packed, one.astype(np.float16), (20,), 3)
+    with pytest.raises(ValueError, match="must be 1-D"):
+        ops.pack_bytes(mx.nd.zeros((2, 3), dtype=np.uint8))
+    with pytest.raises(ValueError, match=r"m >= 8 to carry 16 bytes"):
+        ops.unpack_bytes(mx.nd.ones((7,)), 16)
+
+
+@pytest.mark.parametrize("nbytes", [1, 14, 15, 16, 29, 30, 31, 1000, 4097])
+def test_bytes_in_carriers_as_numpy(nbytes):
+    """ops.pack_bytes writes numpy's carrier values (normal float32 only), and
+    ops.unpack_bytes reads any bytes back, row by row, in C++ and in the reference;
+    a value no pack_bytes writes (0, a denormal, Inf, NaN, a large exponent) is
+    counted in its row."""
+    rng = np.random.RandomState(nbytes)
+    data = rng.randint(0, 256, size=nbytes).astype(np.uint8)
+    want = sums.pack_bytes(data)
+    exponent = (want.view(np.uint32) >> 23) & 0xFF
+    assert ((exponent >= 1) & (exponent <= 64)).all()
+    rows = np.stack([want, sums.pack_bytes(data[::-1].copy()), want])
+    rows[2, len(want) // 2] = [0.0, 1e-40, np.inf, np.nan, 1e30][nbytes % 5]
+    for impl in (ops, reference):
+        values = impl.pack_bytes(mx.nd.array(data, dtype=np.uint8))
+        np.testing.assert_array_equal(values.asnumpy().view(np.uint32), want.view(np.uint32))
+        back, bad = impl.unpack_bytes(mx.nd.array(want), nbytes)
+        np.testing.assert_array_equal(back.asnumpy(), data)
+        assert bad.asnumpy().tolist() == [0]
+        back, bad = impl.unpack_bytes(mx.nd.array(np.pad(rows, ((0, 0), (0, 3)))), nbytes)
+        np.testing.assert_array_equal(back.asnumpy()[:2], [data, data[::-1]])
+        assert bad.asnumpy().tolist() == [0, 0, 1]
+
+
+def test_sum_of_code_bytes_is_the_sum_of_code_words():
+    """sum_2bit on the words' uint8 bytes (what unpack_bytes gives a server) writes
+    what it writes on the int32 words."""
+    rng = np.random.RandomState(3)
+    words = rng.randint(-2 ** 31, 2 ** 31, size=(5, 40), dtype=np.int64).astype(np.int32)
+    for impl in (ops, reference):
+        a = impl.sum_2bit(mx.nd.array(words, dtype=np.int32), 633).asnumpy()
+        b = impl.sum_2bit(mx.nd.array(words.view(np.uint8), dtype=np.uint8), 633).asnumpy()
+        np.testing.assert_array_equal(a, b)
 
 
 def test_out_of_range_sums_and_worker_counts_are_refused():
@@ -241,11 +284,18 @@ def test_sum_pull_through_the_servers_sum(workers):
             pushes.append(push_slot(c, w, CODEC.to_bytes(p)[a:b], p.scalars)[0])
         pulled = sum_values(c, _server_sum(pushes))
         assert pulled.size == c.pull_rows * c.cols
-        aggregate, header = summed_aggregate(c, pulled)
+        aggregate, header, bad = summed_aggregate(c, pulled)
         np.testing.assert_array_equal(
             aggregate.asnumpy(), want[c.lo:c.hi].astype(np.float32) * np.float32(1.3))
+        header = agreed_header("fc", header, bad)
         assert header[0] == np.float32(1.3)
         assert header[1] == pytest.approx(sum(p.scalars[1] for p in payloads), rel=1e-6)
+    # a pulled value altered on the way: the layer is named when its header is read
+    altered = pulled.copy()
+    altered[5] = 0.0
+    _, header, bad = summed_aggregate(c, altered)
+    with pytest.raises(ValueError, match="layer 'fc': 1 pulled values"):
+        agreed_header("fc", header, bad)
 
 
 @pytest.mark.parametrize("workers, bound", [(4, 0.12), (16, 0.2), (64, 0.3), (127, 0.3)])

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import mxhylo.ops as ops
-from mxhylo.ops import build, reference, sums
+from mxhylo.ops import build, formats as sums, reference
 
 F32 = np.float32
 FORCED_REFERENCE = os.environ.get("MXHYLO_OPS", "").lower() == "reference"
@@ -915,7 +915,11 @@ def isa_child(path):
         elif op == "sums":
             packed = ops.sum_2bit(nd(x), y.size)
             out[name + "/packed"] = packed.asnumpy()
-            out[name + "/decoded"] = ops.decode_sums(packed, p, (y.size,), len(x)).asnumpy()
+            out[name + "/decoded"] = ops.decode_sums(packed, nd(np.array([p], F32)), (y.size,),
+                                                     len(x)).asnumpy()
+            carried = ops.pack_bytes(packed)
+            out[name + "/carried"] = carried.asnumpy()
+            out[name + "/uncarried"] = ops.unpack_bytes(carried, packed.size)[0].asnumpy()
         elif op == "bound":
             res = nd(y)
             out[name + "/cut"] = ops.bound_rows(res, nd(x), p).asnumpy()
@@ -1016,6 +1020,9 @@ def test_native_build_matches_numpy(isa_outputs):
             decoded = sums.unpack_sums(want, y.size, len(x)).astype(F32) * F32(p)
             np.testing.assert_array_equal(bits(out[name + "/decoded"]), bits(decoded),
                                           err_msg=name)
+            np.testing.assert_array_equal(bits(out[name + "/carried"]),
+                                          bits(sums.pack_bytes(want)), err_msg=name)
+            np.testing.assert_array_equal(out[name + "/uncarried"], want, err_msg=name)
         elif op == "bound":
             want = mx.nd.array(y)
             cut = ops.reference.bound_rows(want, mx.nd.array(x, dtype=x.dtype), p)

@@ -1,6 +1,10 @@
-"""Integer sums of W workers' 2-bit codes, and their packing for the way back: the
-format, in numpy. The oracle of the C++ operators sum_2bit and decode_sums
-(mxhylo.ops), which the stores call.
+"""The byte formats the operators write, in numpy: the oracle of their C++ kernels.
+
+* Integer sums of W workers' 2-bit codes and their packing for the way back
+  (ops.sum_2bit, ops.decode_sums), below.
+* Bytes in float32 carriers (ops.pack_bytes, ops.unpack_bytes): how the parameter
+  server, which moves and sums float32 values, carries payload bytes
+  (:func:`pack_bytes`).
 
 A shared-scale codec (mxhylo.kvstore.codec_shared) quantizes a layer on every worker with
 the same value v, so each worker's element is c * v with c in {-1, 0, +1}, and the
@@ -123,3 +127,57 @@ def _check_workers(num_workers):
     if not 1 <= num_workers <= MAX_WORKERS:
         raise ValueError("integer sums of codes take 1 to %d workers, got %d"
                          % (MAX_WORKERS, num_workers))
+
+
+_WORD_MASK = (1 << 30) - 1    # pack_bytes: 30 payload bits per float32 value
+
+
+def pack_bytes(data):
+    """Payload bytes (uint8) -> float32 values, 30 bits each (15 bytes in 4 values).
+
+    Each value is a *normal* float32: bit 29 of the 30 goes to the sign, bits 23-28 to
+    the exponent field plus one (1..64: never zero, Inf or NaN), bits 0-22 to the
+    mantissa. A normal number plus zero is that number, bit for bit, in every rounding
+    and flush-to-zero mode, so the servers' sum of other workers' empty slots cannot
+    alter a payload; zeros, denormals, Inf and NaN, which raw bit patterns would
+    produce, could be altered or canonicalised. 3.75 payload bytes per value (24-bit
+    integers carried 3). Read by :func:`unpack_bytes`.
+    """
+    pad = (-len(data)) % 15
+    groups = np.zeros((-(-len(data) // 15), 16), np.uint8)
+    flat = np.concatenate([data, np.zeros(pad, np.uint8)]) if pad else data
+    groups[:, :15] = flat.reshape(-1, 15)
+    lo, hi = groups.view("<u8").T                     # bits 0-63 and 64-119 of a group
+    mask = np.uint64(_WORD_MASK)
+    words = np.empty((len(lo), 4), np.uint64)
+    words[:, 0] = lo & mask
+    words[:, 1] = (lo >> np.uint64(30)) & mask
+    words[:, 2] = ((lo >> np.uint64(60)) | (hi << np.uint64(4))) & mask
+    words[:, 3] = (hi >> np.uint64(26)) & mask
+    w = words.reshape(-1).astype(np.uint32)
+    bits = ((w >> 29) << 31) | ((((w >> 23) & 0x3F) + 1) << 23) | (w & 0x7FFFFF)
+    return bits.view(np.float32)
+
+
+def carrier_values(n_bytes):
+    """float32 values that carry n_bytes (pack_bytes: 15 bytes in 4)."""
+    return 4 * -(-n_bytes // 15)
+
+
+def unpack_bytes(values, n_bytes, check=True):
+    """Inverse of pack_bytes: float32 values (a multiple of 4 of them, or the first of
+    a slot's values) -> the first n_bytes (uint8). ValueError if a value is not one
+    pack_bytes writes (check=False: its bytes are decoded all the same)."""
+    n_values = carrier_values(n_bytes)
+    bits = np.ascontiguousarray(values[:n_values], np.float32).view(np.uint32)
+    exponent = (bits >> 23) & 0xFF
+    if check and bits.size and (exponent.min() < 1 or exponent.max() > 64):
+        raise ValueError("a slot payload value is not one pack_bytes writes (exponent "
+                         "field %d..%d): the payload was altered on the way"
+                         % (exponent.min(), exponent.max()))
+    w = ((bits >> 31) << 29) | (((exponent - 1) & 0x3F) << 23) | (bits & 0x7FFFFF)
+    w = w.astype(np.uint64).reshape(-1, 4)
+    groups = np.empty((len(w), 2), np.uint64)
+    groups[:, 0] = w[:, 0] | (w[:, 1] << np.uint64(30)) | (w[:, 2] << np.uint64(60))
+    groups[:, 1] = (w[:, 2] >> np.uint64(4)) | (w[:, 3] << np.uint64(26))
+    return groups.view(np.uint8).reshape(-1, 16)[:, :15].reshape(-1)[:n_bytes]
