@@ -385,26 +385,22 @@ def decode_sums(header, packed, shape, num_workers, out=None):
 
 def sum_values(layout, received):
     """The server's side of a 'sum' pull: the summed pushes (row_sparse NDArray of the
-    key: every worker's slot) -> what the workers pull (float32 NDArray (pull_rows *
+    key: every worker's slot) -> what the workers pull (float32 numpy (pull_rows *
     cols,), see the module docstring). Read by :func:`summed_aggregate`. ValueError
     naming the worker whose slot holds a value pack_bytes never writes, or if the
     shared values differ."""
-    codec = _CODECS[layout.codec]
-    n, nbytes = codec.scalars, codec.byte_span(0, layout.size)[1]
-    slots = received.data.reshape((layout.slots, layout.slot_rows * layout.cols))
-    header = sum_headers([tuple(float(v) for v in row) for row in slots[:, :n].asnumpy()])
-    # each slot's code bytes as slot_payload reads them, one row per worker
-    codes, bad = ops.unpack_bytes(
-        mx.nd.slice(slots, begin=(None, n), end=(None, n + slot_values(nbytes))), nbytes)
-    bad = bad.asnumpy()
+    n = _CODECS[layout.codec].scalars
+    slots = received.data.asnumpy().reshape(layout.slots, layout.slot_rows * layout.cols)
+    header = sum_headers([tuple(float(v) for v in row[:n]) for row in slots])
+    # every worker's code bytes unpacked, summed and packed in one C++ pass
+    carried, bad = ops.sum_carried_2bit(slots, n, layout.size)
     if bad.any():
         raise ValueError("worker rank %d's payload: a slot payload value is not one "
                          "pack_bytes writes (%d of them): the payload was altered on the way"
                          % (int(np.flatnonzero(bad)[0]), int(bad.max())))
-    packed = ops.pack_bytes(ops.sum_2bit(codes, layout.size))
-    out = mx.nd.zeros((layout.pull_rows * layout.cols,), dtype=np.float32)
-    out[:n] = mx.nd.array(header, dtype=np.float32)
-    out[n:n + packed.size] = packed
+    out = np.zeros(layout.pull_rows * layout.cols, np.float32)
+    out[:n] = header
+    out[n:n + len(carried)] = carried
     return out
 
 

@@ -32,7 +32,7 @@ from . import _checks, _cpp, build, formats, reference
 
 __all__ = ["backend", "quantize_2bit", "settle_2bit", "l1_stats", "dequantize_2bit",
            "select_kernels", "scatter_kernels", "momentum_velocity", "momentum_correct",
-           "bound_rows", "sum_2bit", "decode_sums", "pack_bytes", "unpack_bytes",
+           "bound_rows", "sum_2bit", "decode_sums", "unpack_bytes", "sum_carried_2bit",
            "set_num_threads", "formats", "reference", "build"]
 
 _lock = threading.Lock()
@@ -288,8 +288,7 @@ def sum_2bit(codes, size):
     servers' side of a shared-scale codec's 'sum' pull; format: mxhylo.ops.formats).
 
     codes: int32 (W, ceil(size/16)), row w the code words quantize_2bit gave worker
-    w, or uint8 (W, 4 * ceil(size/16)), their little-endian bytes (as unpack_bytes
-    gives them); 1 <= W <= 127. Code 1 counts +1, 2 counts -1, 0 and 3 count 0.
+    w; 1 <= W <= 127. Code 1 counts +1, 2 counts -1, 0 and 3 count 0.
     size: the elements n the codes stand for.
     Returns uint8 (formats.packed_nbytes(size, W),): each element's sum in [-W, W],
     packed in base 2W + 1, digits_per_group(W) to a little-endian uint16; bitwise
@@ -317,17 +316,8 @@ def decode_sums(packed, scale, shape, num_workers, out=None):
     return reference._decode_sums(packed, scale, shape, w, out)
 
 
-def pack_bytes(data):
-    """Bytes in float32 carriers: uint8 (b,) -> float32 (4 * ceil(b/15),), 15 bytes
-    in 4 normal float32 values (format: mxhylo.ops.formats.pack_bytes, bitwise)."""
-    _checks.pack_bytes(data)
-    if _use_cpp(data):
-        return _cpp.pack_bytes(data)
-    return reference._pack_bytes(data)
-
-
 def unpack_bytes(values, nbytes):
-    """The inverse of pack_bytes, row by row: float32 (m,) or (R, m), each row's
+    """Bytes out of their float32 carriers (format: mxhylo.ops.formats.pack_bytes), row by row: float32 (m,) or (R, m), each row's
     first 4 * ceil(nbytes/15) values carrying nbytes bytes -> (uint8 (nbytes,) or
     (R, nbytes); float32 (R,) (R = 1 for 1-D values): per row, the values no
     pack_bytes writes (exponent field outside 1..64), whose bytes are garbage: the
@@ -336,3 +326,41 @@ def unpack_bytes(values, nbytes):
     if _use_cpp(values):
         return _cpp.unpack_bytes(values, nbytes)
     return reference._unpack_bytes(values, nbytes)
+
+
+def sum_carried_2bit(slots, offset, size):
+    """The servers' side of a 'sum' pull, on host (numpy) arrays, on the calling thread.
+
+    slots: float32 numpy (W, m), row w worker w's slot: from column ``offset`` on, the
+    bytes of its 2-bit code words for ``size`` elements (4 * ceil(size/16) bytes) in
+    float32 carriers (formats.pack_bytes). 1 <= W <= 127.
+    Returns (float32 numpy: sum_2bit's packed sums of the W rows' codes, carried as
+    formats.pack_bytes carries them; int64 numpy (W,): per row, the carrier values no
+    pack_bytes writes: a row with any was altered, and the sums are garbage).
+    One C++ pass, block by block (no MXNet engine hand-off: a server calls it inside
+    ps-lite's callback); formats' functions composed, bitwise, with the reference
+    backend.
+    """
+    slots = np.ascontiguousarray(slots, np.float32)
+    size = _checks.positive_int(size, "size", "sum_carried_2bit")
+    if slots.ndim != 2 or not 1 <= slots.shape[0] <= formats.MAX_WORKERS:
+        raise ValueError("sum_carried_2bit: slots must be (W, m), 1 <= W <= %d, got shape %s"
+                         % (formats.MAX_WORKERS, slots.shape))
+    code_bytes = 4 * _checks.num_words(size)
+    if not 0 <= offset or offset + formats.carrier_values(code_bytes) > slots.shape[1]:
+        raise ValueError("sum_carried_2bit: %d values from column %d carry the codes of %d "
+                         "elements; the slots have %d columns"
+                         % (formats.carrier_values(code_bytes), offset, size, slots.shape[1]))
+    workers = slots.shape[0]
+    if backend() != "cpp":
+        rows = slots[:, offset:offset + formats.carrier_values(code_bytes)]
+        exponent = (rows.view(np.uint32) >> 23) & 0xFF
+        bad = ((exponent < 1) | (exponent > 64)).sum(axis=1).astype(np.int64)
+        codes = [formats.unpack_bytes(r, code_bytes, check=False).view(np.int32)
+                 for r in rows]
+        packed = formats.pack_sums(formats.sum_codes(codes, size), workers)
+        return formats.pack_bytes(packed), bad
+    out = np.zeros(formats.carrier_values(formats.packed_nbytes(size, workers)), np.float32)
+    bad = np.zeros(workers, np.int64)
+    build.sum_carried_2bit(slots, offset, size, out, bad)
+    return out, bad

@@ -117,15 +117,14 @@ def positive_int(x, name, op):
 
 
 def sum_codes(c, size, op):
-    """sum_2bit's arguments: int32 codes (W, ceil(size/16)) or their uint8 bytes (W,
-    4 * ceil(size/16)), 1 <= W <= 127; returns size as an int."""
+    """sum_2bit's arguments: int32 codes (W, ceil(size/16)), 1 <= W <= 127; returns
+    size as an int."""
     size = positive_int(size, "size", op)
-    ndarray(c, "codes", (np.int32, np.uint8), op)
-    width = num_words(size) * (4 if c.dtype == np.uint8 else 1)
-    if c.ndim != 2 or c.shape[1] != width or not 1 <= c.shape[0] <= formats.MAX_WORKERS:
-        raise ValueError("%s: %s codes must have shape (W, %d) for %d elements, 1 <= W <= "
-                         "%d, got %s" % (op, np.dtype(c.dtype).name, width, size,
-                                         formats.MAX_WORKERS, c.shape))
+    ndarray(c, "codes", (np.int32,), op)
+    if c.ndim != 2 or c.shape[1] != num_words(size) or \
+            not 1 <= c.shape[0] <= formats.MAX_WORKERS:
+        raise ValueError("%s: codes must have shape (W, %d) for %d elements, 1 <= W <= %d, "
+                         "got %s" % (op, num_words(size), size, formats.MAX_WORKERS, c.shape))
     return size
 
 
@@ -154,12 +153,6 @@ def decode_sums(packed, scale, shape, num_workers, out, op="decode_sums"):
     same_context(op, ("packed", packed), ("scale", scale))
     out_array(out, shape, packed.context, op)
     return shape, w
-
-
-def pack_bytes(data, op="pack_bytes"):
-    ndarray(data, "data", (np.uint8,), op)
-    if data.ndim != 1:
-        raise ValueError("%s: data must be 1-D, got shape %s" % (op, data.shape))
 
 
 def unpack_bytes(values, nbytes, op="unpack_bytes"):

@@ -83,10 +83,6 @@ def decode_sums(packed, scale, shape, num_workers, out):
                                   workers=str(num_workers), out=out)
 
 
-def pack_bytes(data):
-    return mx.nd.hylo_pack_bytes(data)
-
-
 def unpack_bytes(values, nbytes):
     data, bad = mx.nd.hylo_unpack_bytes(values, nbytes=str(nbytes))
     return data, bad

@@ -374,6 +374,17 @@ def set_num_threads(n):
     return 1
 
 
+def sum_carried_2bit(slots, offset, size, out, bad):
+    """The library's hylo_sum_carried_2bit on C-contiguous numpy arrays (arguments
+    checked by mxhylo.ops.sum_carried_2bit)."""
+    import ctypes
+    fn = _c_library().hylo_sum_carried_2bit
+    fn.restype = None
+    ptr = ctypes.c_void_p
+    fn(ptr(slots.ctypes.data), ctypes.c_int64(slots.shape[0]), ctypes.c_int64(slots.shape[1]),
+       ctypes.c_int64(offset), ctypes.c_int64(size), ptr(out.ctypes.data), ptr(bad.ctypes.data))
+
+
 def set_simd(on):
     """Use the AVX-512 row-norm kernel of select_kernels (when compiled in, the
     default) or the portable loop; returns whether AVX-512 is now in use. Both

@@ -311,7 +311,7 @@ def sum_2bit(codes, size):
 
 
 def _sum_2bit(codes, size):
-    rows = [np.ascontiguousarray(r).view(np.int32) for r in codes.asnumpy()]
+    rows = list(codes.asnumpy())
     packed = formats.pack_sums(formats.sum_codes(rows, size), len(rows))
     return mx.nd.array(packed, ctx=codes.context, dtype=np.uint8)
 
@@ -320,12 +320,6 @@ def decode_sums(packed, scale, shape, num_workers, out=None):
     """See mxhylo.ops.decode_sums."""
     shape, w = _checks.decode_sums(packed, scale, shape, num_workers, out)
     return _decode_sums(packed, scale, shape, w, out)
-
-
-def pack_bytes(data):
-    """See mxhylo.ops.pack_bytes."""
-    _checks.pack_bytes(data)
-    return _pack_bytes(data)
 
 
 def unpack_bytes(values, nbytes):
@@ -348,11 +342,6 @@ def _decode_sums(packed, scale, shape, num_workers, out):
         return result
     out[:] = result
     return out
-
-
-def _pack_bytes(data):
-    return mx.nd.array(formats.pack_bytes(data.asnumpy()), ctx=data.context,
-                       dtype=np.float32)
 
 
 def _unpack_bytes(values, nbytes):

@@ -14,11 +14,9 @@
 //       -> indices int32 (max(k,1),), values f32 (max(k,1), F), stats f32 (2,)
 //   hylo_scatter_kernels(indices int32 (k,), values f32 (k,F); shape) -> dense f32
 //   hylo_scatter_kernels_add(indices, values, acc f32) -> acc with rows += values
-//   hylo_sum_2bit(codes int32 (W, ceil(n/16)) | their bytes uint8; size)
-//       -> packed sums uint8
+//   hylo_sum_2bit(codes int32 (W, ceil(n/16)); size) -> packed sums uint8
 //   hylo_decode_sums(packed uint8, scale f32 (first value used); workers, shape)
 //       -> out f32 shape
-//   hylo_pack_bytes(bytes uint8 (b,)) -> values f32 (4 ceil(b/15),)
 //   hylo_unpack_bytes(values f32 ([R,] m); nbytes) -> bytes uint8 ([R,] nbytes), bad f32 (R,)
 // The *_add operators are called with out=acc: MXNet then hands the same
 // buffer as input and output, so only the touched data is read and written.
@@ -1341,8 +1339,8 @@ MXReturnValue sum_parse(const Attrs& attrs, int* nin, int* nout) {
 }
 
 MXReturnValue sum_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
-  if ((*in)[0] != kInt32 && (*in)[0] != kUint8) {
-    MX_ERROR_MSG << "hylo_sum_2bit: codes must be int32 words or their uint8 bytes";
+  if ((*in)[0] != kInt32) {
+    MX_ERROR_MSG << "hylo_sum_2bit: codes must be int32";
     return MX_FAIL;
   }
   (*out)[0] = kUint8;
@@ -1354,14 +1352,10 @@ MXReturnValue sum_shape(const Attrs& attrs, std::vector<std::vector<unsigned int
   int64_t n;
   if (!expect_inputs(*in, 1, "hylo_sum_2bit") || !parse_size(attrs, &n)) return MX_FAIL;
   const std::vector<unsigned int>& c = (*in)[0];
-  // (W, words) int32, or (W, 4 * words) uint8: MXNet infers shapes before types, so
-  // either width is taken here and the type function keeps them apart
-  const int64_t words = (n + 15) / 16;
   if (c.size() != 2 || c[0] < 1 || c[0] > kMaxSumWorkers ||
-      (static_cast<int64_t>(c[1]) != words && static_cast<int64_t>(c[1]) != 4 * words)) {
-    MX_ERROR_MSG << "hylo_sum_2bit: codes must have shape (W, " << words << ") (int32) or (W, "
-                 << 4 * words << ") (uint8) for " << n << " elements, 1 <= W <= "
-                 << kMaxSumWorkers;
+      static_cast<int64_t>(c[1]) != (n + 15) / 16) {
+    MX_ERROR_MSG << "hylo_sum_2bit: codes must have shape (W, " << (n + 15) / 16
+                 << ") for " << n << " elements, 1 <= W <= " << kMaxSumWorkers;
     return MX_FAIL;
   }
   const int64_t d = digits_per_group(static_cast<int>(c[0]));
@@ -1369,20 +1363,9 @@ MXReturnValue sum_shape(const Attrs& attrs, std::vector<std::vector<unsigned int
   return MX_SUCCESS;
 }
 
-MXReturnValue sum_forward(const Attrs& attrs, std::vector<MXTensor>* in,
-                          std::vector<MXTensor>* out, const OpResource&) {
-  int64_t n;
-  if (!parse_size(attrs, &n)) return MX_FAIL;
-  const int workers = static_cast<int>((*in)[0].shape[0]);
-  const int64_t words = (n + 15) / 16;
-  if ((*in)[0].shape[1] != ((*in)[0].dtype == kUint8 ? 4 * words : words)) {
-    MX_ERROR_MSG << "hylo_sum_2bit: " << (*in)[0].shape[1] << " columns of codes for " << n
-                 << " elements";
-    return MX_FAIL;
-  }
-  // uint8 rows are the words' little-endian bytes (x86 and every MXNet CPU target)
-  const uint32_t* codes = reinterpret_cast<const uint32_t*>((*in)[0].data_ptr);
-  uint8_t* bytes = (*out)[0].data<uint8_t>();
+// The packed sums of elements [0, n) of `workers` rows of code words (row stride
+// `words` words) into bytes [0, 2 ceil(n/d)).
+void sum_codes(const uint32_t* codes, int64_t words, int workers, int64_t n, uint8_t* bytes) {
   const int d = digits_per_group(workers);
   const uint32_t base = 2 * workers + 1;
   uint32_t power[16];  // B^i
@@ -1405,6 +1388,14 @@ MXReturnValue sum_forward(const Attrs& attrs, std::vector<MXTensor>* in,
       o[2 * g + 1] = static_cast<uint8_t>(value >> 8);
     }
   }
+}
+
+MXReturnValue sum_forward(const Attrs& attrs, std::vector<MXTensor>* in,
+                          std::vector<MXTensor>* out, const OpResource&) {
+  int64_t n;
+  if (!parse_size(attrs, &n)) return MX_FAIL;
+  sum_codes((*in)[0].data<uint32_t>(), (*in)[0].shape[1], static_cast<int>((*in)[0].shape[0]),
+            n, (*out)[0].data<uint8_t>());
   return MX_SUCCESS;
 }
 
@@ -1575,38 +1566,6 @@ int64_t unpack_carriers(const uint32_t* values, int64_t nbytes, uint8_t* bytes) 
 
 int64_t carrier_values(int64_t nbytes) { return 4 * ((nbytes + 14) / 15); }
 
-MXReturnValue pack_bytes_parse(const Attrs&, int* nin, int* nout) {
-  *nin = 1;
-  *nout = 1;
-  return MX_SUCCESS;
-}
-
-MXReturnValue pack_bytes_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
-  if ((*in)[0] != kUint8) {
-    MX_ERROR_MSG << "hylo_pack_bytes: bytes must be uint8";
-    return MX_FAIL;
-  }
-  (*out)[0] = kFloat32;
-  return MX_SUCCESS;
-}
-
-MXReturnValue pack_bytes_shape(const Attrs&, std::vector<std::vector<unsigned int> >* in,
-                               std::vector<std::vector<unsigned int> >* out) {
-  if (!expect_inputs(*in, 1, "hylo_pack_bytes")) return MX_FAIL;
-  if ((*in)[0].size() != 1) {
-    MX_ERROR_MSG << "hylo_pack_bytes: bytes must be 1-D";
-    return MX_FAIL;
-  }
-  (*out)[0] = dims({carrier_values((*in)[0][0])});
-  return MX_SUCCESS;
-}
-
-MXReturnValue pack_bytes_forward(const Attrs&, std::vector<MXTensor>* in,
-                                 std::vector<MXTensor>* out, const OpResource&) {
-  pack_carriers((*in)[0].data<uint8_t>(), (*in)[0].size(), (*out)[0].data<uint32_t>());
-  return MX_SUCCESS;
-}
-
 MXReturnValue unpack_bytes_parse(const Attrs& attrs, int* nin, int* nout) {
   int64_t nbytes;
   if (!parse_int(attrs, "nbytes", &nbytes)) return MX_FAIL;
@@ -1657,6 +1616,37 @@ MXReturnValue unpack_bytes_forward(const Attrs& attrs, std::vector<MXTensor>* in
   for (int64_t r = 0; r < rows; ++r)
     bad[r] = static_cast<float>(unpack_carriers(values + r * m, nbytes, bytes + r * nbytes));
   return MX_SUCCESS;
+}
+
+// ===================================================== the servers' sum, on host arrays
+// A server adds the workers' codes inside ps-lite's request callback, on numpy arrays
+// (mxhylo/kvstore/wire.py sum_values): one call, on the calling thread, unpacks every
+// worker's carried code bytes, sums them and packs the sums into carriers, block by
+// block in L1. Bitwise what unpack_bytes, sum_2bit and pack_bytes compose to (the
+// tests compare), without handing each step to an MXNet engine thread: on a busy
+// machine every hand-off waits for a core.
+void sum_carried(const float* slots, int64_t rows, int64_t stride, int64_t offset,
+                 int64_t n, float* out, int64_t* bad) {
+  const int workers = static_cast<int>(rows), d = digits_per_group(workers);
+  // a block of 1920 d elements: 480 d code bytes (32 d carrier groups) in, 1920 sums
+  // groups = 3840 bytes (256 carrier groups) out; d <= 10
+  const int64_t block = 1920 * d, in_bytes = block / 4, out_bytes = 2 * (block / d);
+  std::vector<uint32_t> codes(static_cast<size_t>(rows) * (in_bytes / 4));
+  std::vector<uint8_t> packed(static_cast<size_t>(out_bytes));
+  for (int64_t w = 0; w < rows; ++w) bad[w] = 0;
+  for (int64_t e0 = 0; e0 < n; e0 += block) {
+    const int64_t m = std::min(block, n - e0);
+    const int64_t nw = (m + 15) / 16, b0 = e0 / 4;  // words, and the first code byte
+    for (int64_t w = 0; w < rows; ++w) {
+      const uint32_t* values = reinterpret_cast<const uint32_t*>(slots + w * stride + offset);
+      uint8_t* dst = reinterpret_cast<uint8_t*>(codes.data() + w * (in_bytes / 4));
+      bad[w] += unpack_carriers(values + 4 * (b0 / 15), 4 * nw, dst);
+    }
+    sum_codes(codes.data(), in_bytes / 4, workers, m, packed.data());
+    const int64_t nbytes = 2 * ((m + d - 1) / d);
+    pack_carriers(packed.data(), nbytes,
+                  reinterpret_cast<uint32_t*>(out) + 4 * (2 * (e0 / d) / 15));
+  }
 }
 
 }  // namespace
@@ -1744,12 +1734,6 @@ REGISTER_OP(hylo_decode_sums)
     .setInferShape(decode_sums_shape)
     .setForward(decode_sums_forward, "cpu");
 
-REGISTER_OP(hylo_pack_bytes)
-    .setParseAttrs(pack_bytes_parse)
-    .setInferType(pack_bytes_type)
-    .setInferShape(pack_bytes_shape)
-    .setForward(pack_bytes_forward, "cpu");
-
 REGISTER_OP(hylo_unpack_bytes)
     .setParseAttrs(unpack_bytes_parse)
     .setInferType(unpack_bytes_type)
@@ -1796,6 +1780,14 @@ __attribute__((visibility("default"))) void hylo_notify_ready(void* rctx, void* 
     bytes += n;
     left -= static_cast<size_t>(n);
   }
+}
+// mxhylo.ops.sum_carried_2bit (see sum_carried): slots float32 (rows, stride), the code
+// bytes carried from column `offset`; out float32, the packed sums carried; bad
+// (rows,): per row, values no pack_bytes writes.
+__attribute__((visibility("default"))) void hylo_sum_carried_2bit(
+    const float* slots, int64_t rows, int64_t stride, int64_t offset, int64_t n, float* out,
+    int64_t* bad) {
+  sum_carried(slots, rows, stride, offset, n, out, bad);
 }
 // What the compiler targeted: "key=0|1 ..." (mxhylo.ops.build.build_info()).
 __attribute__((visibility("default"))) const char* hylo_build_info() {

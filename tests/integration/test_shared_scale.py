@@ -101,11 +101,9 @@ def test_operators_refuse_bad_arguments():
     codes = mx.nd.zeros((3, 2), dtype=np.int32)
     with pytest.raises(ValueError, match=r"shape \(W, 2\) for 20 elements"):
         ops.sum_2bit(mx.nd.zeros((3, 1), dtype=np.int32), 20)
-    with pytest.raises(ValueError, match=r"uint8 codes must have shape \(W, 8\)"):
-        ops.sum_2bit(mx.nd.zeros((3, 2), dtype=np.uint8), 20)
     with pytest.raises(ValueError, match="1 <= W <= 127"):
         ops.sum_2bit(mx.nd.zeros((128, 2), dtype=np.int32), 20)
-    with pytest.raises(TypeError, match="int32 or uint8"):
+    with pytest.raises(TypeError, match="int32"):
         ops.sum_2bit(codes.astype(np.float32), 20)
     packed = ops.sum_2bit(codes, 20)
     one = mx.nd.ones((1,))
@@ -115,18 +113,19 @@ def test_operators_refuse_bad_arguments():
         ops.decode_sums(packed, one, (20,), 128)
     with pytest.raises(TypeError, match="scale must have dtype float32"):
         ops.decode_sums(packed, one.astype(np.float16), (20,), 3)
-    with pytest.raises(ValueError, match="must be 1-D"):
-        ops.pack_bytes(mx.nd.zeros((2, 3), dtype=np.uint8))
+    with pytest.raises(ValueError, match=r"slots must be \(W, m\)"):
+        ops.sum_carried_2bit(np.zeros((128, 40), np.float32), 2, 20)
+    with pytest.raises(ValueError, match="from column 2 carry the codes of 200 elements"):
+        ops.sum_carried_2bit(np.ones((3, 16), np.float32), 2, 200)
     with pytest.raises(ValueError, match=r"m >= 8 to carry 16 bytes"):
         ops.unpack_bytes(mx.nd.ones((7,)), 16)
 
 
 @pytest.mark.parametrize("nbytes", [1, 14, 15, 16, 29, 30, 31, 1000, 4097])
-def test_bytes_in_carriers_as_numpy(nbytes):
-    """ops.pack_bytes writes numpy's carrier values (normal float32 only), and
-    ops.unpack_bytes reads any bytes back, row by row, in C++ and in the reference;
-    a value no pack_bytes writes (0, a denormal, Inf, NaN, a large exponent) is
-    counted in its row."""
+def test_bytes_out_of_carriers_as_numpy(nbytes):
+    """ops.unpack_bytes reads numpy's carrier values (pack_bytes) back, row by row, in
+    C++ and in the reference; a value no pack_bytes writes (0, a denormal, Inf, NaN,
+    a large exponent) is counted in its row."""
     rng = np.random.RandomState(nbytes)
     data = rng.randint(0, 256, size=nbytes).astype(np.uint8)
     want = sums.pack_bytes(data)
@@ -135,8 +134,6 @@ def test_bytes_in_carriers_as_numpy(nbytes):
     rows = np.stack([want, sums.pack_bytes(data[::-1].copy()), want])
     rows[2, len(want) // 2] = [0.0, 1e-40, np.inf, np.nan, 1e30][nbytes % 5]
     for impl in (ops, reference):
-        values = impl.pack_bytes(mx.nd.array(data, dtype=np.uint8))
-        np.testing.assert_array_equal(values.asnumpy().view(np.uint32), want.view(np.uint32))
         back, bad = impl.unpack_bytes(mx.nd.array(want), nbytes)
         np.testing.assert_array_equal(back.asnumpy(), data)
         assert bad.asnumpy().tolist() == [0]
@@ -145,15 +142,34 @@ def test_bytes_in_carriers_as_numpy(nbytes):
         assert bad.asnumpy().tolist() == [0, 0, 1]
 
 
-def test_sum_of_code_bytes_is_the_sum_of_code_words():
-    """sum_2bit on the words' uint8 bytes (what unpack_bytes gives a server) writes
-    what it writes on the int32 words."""
-    rng = np.random.RandomState(3)
-    words = rng.randint(-2 ** 31, 2 ** 31, size=(5, 40), dtype=np.int64).astype(np.int32)
-    for impl in (ops, reference):
-        a = impl.sum_2bit(mx.nd.array(words, dtype=np.int32), 633).asnumpy()
-        b = impl.sum_2bit(mx.nd.array(words.view(np.uint8), dtype=np.uint8), 633).asnumpy()
-        np.testing.assert_array_equal(a, b)
+def _carried_slots(rng, workers, size, offset, extra):
+    """W slots as a server sees them: ``offset`` header values, then random code words'
+    bytes in carriers, then zeros; and the code words."""
+    words = rng.randint(-2 ** 31, 2 ** 31, size=(workers, -(-size // 16)),
+                        dtype=np.int64).astype(np.int32)
+    carried = [sums.pack_bytes(w.view(np.uint8)) for w in words]
+    slots = np.zeros((workers, offset + len(carried[0]) + extra), np.float32)
+    slots[:, :offset] = rng.rand(workers, offset)
+    for w in range(workers):
+        slots[w, offset:offset + len(carried[w])] = carried[w]
+    return slots, words
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 4, 7, 16, 41, 127])
+def test_servers_sum_of_carried_codes_is_numpy_composed(workers):
+    """ops.sum_carried_2bit (one C++ pass, block by block) is bitwise numpy's unpack,
+    integer sum, base-(2W+1) packing and carriers, at sizes inside one block, on a
+    block's edge and over several, and counts the altered values of each row."""
+    rng = np.random.RandomState(workers)
+    d = sums.digits_per_group(workers)
+    for size in (1, 17, 1920 * d, 1920 * d + 1, 3 * 1920 * d + 333):
+        slots, words = _carried_slots(rng, workers, size, 2, 5)
+        carried, bad = ops.sum_carried_2bit(slots, 2, size)
+        want = sums.pack_bytes(sums.pack_sums(sums.sum_codes(list(words), size), workers))
+        np.testing.assert_array_equal(carried.view(np.uint32), want.view(np.uint32))
+        assert bad.tolist() == [0] * workers
+    slots[workers - 1, 9] = np.inf
+    assert ops.sum_carried_2bit(slots, 2, size)[1].tolist() == [0] * (workers - 1) + [1]
 
 
 def test_out_of_range_sums_and_worker_counts_are_refused():
@@ -284,7 +300,7 @@ def test_sum_pull_through_the_servers_sum(workers):
             pushes.append(push_slot(c, w, CODEC.to_bytes(p)[a:b], p.scalars)[0])
         pulled = sum_values(c, _server_sum(pushes))
         assert pulled.size == c.pull_rows * c.cols
-        aggregate, header, bad = summed_aggregate(c, pulled)
+        aggregate, header, bad = summed_aggregate(c, mx.nd.array(pulled))
         np.testing.assert_array_equal(
             aggregate.asnumpy(), want[c.lo:c.hi].astype(np.float32) * np.float32(1.3))
         header = agreed_header("fc", header, bad)
@@ -293,7 +309,7 @@ def test_sum_pull_through_the_servers_sum(workers):
     # a pulled value altered on the way: the layer is named when its header is read
     altered = pulled.copy()
     altered[5] = 0.0
-    _, header, bad = summed_aggregate(c, altered)
+    _, header, bad = summed_aggregate(c, mx.nd.array(altered))
     with pytest.raises(ValueError, match="layer 'fc': 1 pulled values"):
         agreed_header("fc", header, bad)
 
