@@ -1300,25 +1300,43 @@ struct BiasedCodes {
 };
 const BiasedCodes kBiased;
 
-// Digits s + W of elements e0 .. e0 + m - 1 (e0 a multiple of 16) into dig[0 .. m-1],
-// rows of `codes` the workers' code words; dig has room for whole words.
+// Digits s + W of elements e0 .. e0 + m - 1 (e0 a multiple of 16) into acc, read as
+// bytes: byte j of acc[i] is element 4i + j (little-endian, as every MXNet CPU
+// target is); rows of `codes` are the workers' code words.
 void sum_block(const uint32_t* codes, int64_t words, int workers, int64_t e0, int64_t m,
-               uint8_t* dig) {
+               uint32_t* acc) {
   const int64_t w0 = e0 / 16, nw = (m + 15) / 16;
-  uint32_t acc[16 * 16 * 64 / 4];
-  std::memset(acc, 0, static_cast<size_t>(nw) * 16);
-  for (int w = 0; w < workers; ++w) {
-    const uint32_t* cw = codes + w * words + w0;
-    for (int64_t q = 0; q < nw; ++q) {
-      const uint32_t x = cw[q];
-      acc[4 * q] += kBiased.t[x & 0xff];
-      acc[4 * q + 1] += kBiased.t[(x >> 8) & 0xff];
-      acc[4 * q + 2] += kBiased.t[(x >> 16) & 0xff];
-      acc[4 * q + 3] += kBiased.t[x >> 24];
+  const uint32_t* t = kBiased.t;
+  for (int64_t q = 0; q < nw; ++q) {  // a word's 16 sums stay in registers
+    const uint32_t* cw = codes + w0 + q;
+    uint32_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+    for (int w = 0; w < workers; ++w) {
+      const uint32_t x = cw[w * words];
+      a0 += t[x & 0xff];
+      a1 += t[(x >> 8) & 0xff];
+      a2 += t[(x >> 16) & 0xff];
+      a3 += t[x >> 24];
     }
+    acc[4 * q] = a0;
+    acc[4 * q + 1] = a1;
+    acc[4 * q + 2] = a2;
+    acc[4 * q + 3] = a3;
   }
-  for (int64_t i = 0; i < nw * 4; ++i)  // byte j of acc[i] is element 4i + j
-    for (int j = 0; j < 4; ++j) dig[4 * i + j] = static_cast<uint8_t>(acc[i] >> (8 * j));
+}
+
+// Groups of D digits (D known when compiled, so the loop unrolls) -> little-endian
+// uint16 sum_i digit_i * B^i.
+template <int D>
+void pack_groups(const uint8_t* dig, int64_t groups, uint32_t base, uint8_t* o) {
+  uint32_t power[D];
+  power[0] = 1;
+  for (int i = 1; i < D; ++i) power[i] = power[i - 1] * base;
+  for (int64_t g = 0; g < groups; ++g) {
+    uint32_t value = 0;
+    for (int i = 0; i < D; ++i) value += dig[g * D + i] * power[i];
+    o[2 * g] = static_cast<uint8_t>(value & 0xff);
+    o[2 * g + 1] = static_cast<uint8_t>(value >> 8);
+  }
 }
 
 bool parse_size(const Attrs& attrs, int64_t* n) {
@@ -1368,24 +1386,23 @@ MXReturnValue sum_shape(const Attrs& attrs, std::vector<std::vector<unsigned int
 void sum_codes(const uint32_t* codes, int64_t words, int workers, int64_t n, uint8_t* bytes) {
   const int d = digits_per_group(workers);
   const uint32_t base = 2 * workers + 1;
-  uint32_t power[16];  // B^i
-  power[0] = 1;
-  for (int i = 1; i < d; ++i) power[i] = power[i - 1] * base;
   // blocks of whole groups and whole code words, their digits kept in L1
   const int64_t block = 16 * d * 64;
-  uint8_t dig[16 * 16 * 64];
+  uint32_t acc[16 * 16 * 64 / 4 + 4];
+  uint8_t* dig = reinterpret_cast<uint8_t*>(acc);
   for (int64_t e0 = 0; e0 < n; e0 += block) {
     const int64_t m = std::min(block, n - e0);
-    sum_block(codes, words, workers, e0, m, dig);
+    sum_block(codes, words, workers, e0, m, acc);
     const int64_t groups = (m + d - 1) / d;
     for (int64_t i = m; i < groups * d; ++i) dig[i] = static_cast<uint8_t>(workers);  // sums of 0
     uint8_t* o = bytes + 2 * (e0 / d);
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* digits = dig + g * d;
-      uint32_t value = 0;
-      for (int i = 0; i < d; ++i) value += digits[i] * power[i];
-      o[2 * g] = static_cast<uint8_t>(value & 0xff);
-      o[2 * g + 1] = static_cast<uint8_t>(value >> 8);
+    switch (d) {  // digits_per_group gives these for W = 1 .. 127
+      case 2: pack_groups<2>(dig, groups, base, o); break;
+      case 3: pack_groups<3>(dig, groups, base, o); break;
+      case 4: pack_groups<4>(dig, groups, base, o); break;
+      case 5: pack_groups<5>(dig, groups, base, o); break;
+      case 6: pack_groups<6>(dig, groups, base, o); break;
+      default: pack_groups<10>(dig, groups, base, o); break;
     }
   }
 }
