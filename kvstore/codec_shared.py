@@ -5,7 +5,7 @@ Every element of a = g + r goes out as c * v, c in {-1, 0, +1}: c = sign(a) wher
 |a| >= v, else 0; r <- a - c * v (error feedback, on the workers only). Unlike fc_2bit,
 whose threshold and value are each worker's own, v is the same on every worker at a
 step, so the aggregate is v * (sum of the codes), an integer in [-W, W] per
-element: the servers add the codes as integers (kvstore.sums, the 'sum' pull) and
+element: the servers add the codes as integers (mxhylo.ops.formats, the 'sum' pull) and
 every worker decodes the one sum. Exact: v times the integer, rounded once.
 
 The scale, agreed with no extra round trip. Each worker's push carries, beside its

@@ -184,7 +184,7 @@ class CostModel:
             return Prediction(dense, dense, "none")
         cost = self.codecs[plan.strategy]
         if getattr(_CODECS[plan.strategy], "summable", False) and self.pull != "allgather":
-            # the servers' integer sums, one decode (kvstore.sums; 30 bits a value)
+            # the servers' integer sums, one decode (mxhylo.ops.formats; 30 bits a value)
             down, decodes = packed_nbytes(plan.size, self.workers) * 32 / 30, 1
         elif self.pull == "gather":
             down, decodes = self.workers * payload_nbytes, self.workers
