@@ -57,7 +57,7 @@ import numpy as np
 
 from .compressors import make_compressors
 from .wire import (FLAT_KINDS, PULL_CODECS, ChunkLayout, gather_values, rows_from_zero,
-                   slot_payload, slot_values, sum_values)
+                   slot_payload, carrier_values, sum_values)
 
 log = logging.getLogger("mxhylo.server")
 
@@ -476,7 +476,7 @@ def _slots_layout_problem(where, layout, num_workers):
     if layout.pull == "sum" and not getattr(codec, "summable", False):
         return "%s: a 'sum' pull of %s, whose codes the servers cannot add" % (
             where, layout.codec)
-    need = codec.scalars + slot_values(codec.byte_span(0, layout.size)[1])
+    need = codec.scalars + carrier_values(codec.byte_span(0, layout.size)[1])
     if layout.cols < 1 or layout.slot_rows * layout.cols < need \
             or layout.slots * layout.slot_rows > layout.rows:
         return "%s: slots of %d rows of %d values in a key of %d rows, for a payload of " \
@@ -530,7 +530,7 @@ def check_slots(layout, received):
                             % (_few(outside), n, n * per - 1, _from_sum()))
         raise Malformed("the workers' slots came out of order (rows %s)" % _few(rows))
     codec = _SERVER.codecs[layout.codec]
-    used = codec.scalars + slot_values(codec.byte_span(0, layout.size)[1])
+    used = codec.scalars + carrier_values(codec.byte_span(0, layout.size)[1])
     slots = received.data.reshape((n, per * layout.cols))
     headers = slots[:, :codec.scalars].asnumpy() if codec.scalars else np.zeros((n, 0))
     for w in range(n):

@@ -131,7 +131,7 @@ class ChunkLayout:
         """Rows a worker pulls: the payloads gathered, or the dense aggregate."""
         if self.pull == "sum":
             return -(-(_CODECS[self.codec].scalars
-                       + slot_values(packed_nbytes(self.size, self.slots))) // self.cols)
+                       + carrier_values(packed_nbytes(self.size, self.slots))) // self.cols)
         if self.pull == "gather":
             if self.kind == "slots":
                 return self.slots * self.slot_rows
@@ -146,11 +146,6 @@ class ChunkLayout:
             return 8 * self.size
         pull_rows = self.dense_rows if self.pull == "none" else self.pull_rows
         return 4 * self.cols * (self.push_rows + pull_rows)
-
-
-def slot_values(n_bytes):
-    """float32 values that carry n_bytes of a payload (pack_bytes: 15 bytes in 4)."""
-    return carrier_values(n_bytes)
 
 
 def _pieces(n, chunk_elements, num_servers, split_min, unit, wire_fraction=1.0):
@@ -217,7 +212,7 @@ def plan_chunks(strategy, shape, num_workers, num_servers=1,
             size = hi - lo
             cols = min(ROW_DATA, size)
             # the header scalars, then the bytes
-            slot_rows = -(-(codec.scalars + slot_values(codec.byte_span(0, size)[1])) // cols)
+            slot_rows = -(-(codec.scalars + carrier_values(codec.byte_span(0, size)[1])) // cols)
             dense_rows = -(-size // cols)
             layouts.append(ChunkLayout("slots", lo, hi, size, cols=cols,
                                        rows=max(num_workers * slot_rows, dense_rows),
@@ -414,7 +409,7 @@ def summed_aggregate(layout, values, out=None):
     n = _CODECS[layout.codec].scalars
     nbytes = packed_nbytes(layout.size, layout.slots)
     header = values[:n]
-    packed, bad = ops.unpack_bytes(values[n:n + slot_values(nbytes)], nbytes)
+    packed, bad = ops.unpack_bytes(values[n:n + carrier_values(nbytes)], nbytes)
     aggregate = ops.decode_sums(packed, header, (layout.size,), layout.slots, out=out)
     return aggregate, header, bad
 

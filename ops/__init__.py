@@ -317,8 +317,9 @@ def decode_sums(packed, scale, shape, num_workers, out=None):
 
 
 def unpack_bytes(values, nbytes):
-    """Bytes out of their float32 carriers (format: mxhylo.ops.formats.pack_bytes), row by row: float32 (m,) or (R, m), each row's
-    first 4 * ceil(nbytes/15) values carrying nbytes bytes -> (uint8 (nbytes,) or
+    """Bytes out of their float32 carriers (format: mxhylo.ops.formats.pack_bytes), row
+    by row: float32 (m,) or (R, m), each row's first 4 * ceil(nbytes/15) values
+    carrying nbytes bytes -> (uint8 (nbytes,) or
     (R, nbytes); float32 (R,) (R = 1 for 1-D values): per row, the values no
     pack_bytes writes (exponent field outside 1..64), whose bytes are garbage: the
     caller refuses a row that has any)."""

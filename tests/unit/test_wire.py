@@ -129,12 +129,12 @@ def test_packed_bytes_are_normal_floats_that_survive_a_sum(n):
     zero, denormal, Inf or NaN), so that adding zeros, as the servers' sum of other
     slots does, keeps every bit; unpack_bytes returns the bytes, all 256 values and
     the edges (all zero, all ones) included."""
-    from mxhylo.kvstore.wire import pack_bytes, slot_values, unpack_bytes
+    from mxhylo.kvstore.wire import pack_bytes, carrier_values, unpack_bytes
     rng = np.random.RandomState(n)
     for data in (rng.randint(0, 256, n).astype(np.uint8), np.zeros(n, np.uint8),
                  np.full(n, 255, np.uint8), (np.arange(n) % 256).astype(np.uint8)):
         values = pack_bytes(data)
-        assert values.dtype == np.float32 and len(values) == slot_values(n) == 4 * -(-n // 15)
+        assert values.dtype == np.float32 and len(values) == carrier_values(n) == 4 * -(-n // 15)
         assert np.all(np.isfinite(values))
         assert np.all(np.abs(values) >= np.finfo(np.float32).tiny)
         summed = (mx.nd.array(values) + mx.nd.zeros(len(values))).asnumpy() if n else values
