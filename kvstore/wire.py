@@ -53,7 +53,7 @@ import numpy as np
 
 from .compressors import CODEC_NAMES, Payload, make_compressors
 from .. import ops
-from ..ops.formats import carrier_values, pack_bytes, packed_nbytes, unpack_bytes
+from ..ops.formats import carrier_values, packed_nbytes, unpack_bytes
 
 # the dense aggregate, the payloads gathered, or a shared-scale codec's integer sums
 PULL_CODECS = ("none", "gather", "sum")
@@ -274,11 +274,11 @@ def push_slot(layout, rank, data, scalars):
     """Worker ``rank``'s push of a 'slots' chunk: its slot (rows [rank * slot_rows,
     (rank + 1) * slot_rows)) holding the payload's header ``scalars``, then the chunk's
     bytes ``data`` (uint8 numpy, the codec's byte_span of the chunk) as
-    :func:`pack_bytes` writes them. Read by :func:`slot_payload`."""
-    packed = pack_bytes(data)
+    ops.formats.pack_bytes writes them (ops.pack_bytes: in C, straight into the slot).
+    Read by :func:`slot_payload`."""
     values = np.zeros(layout.slot_rows * layout.cols, np.float32)
     values[:len(scalars)] = scalars
-    values[len(scalars):len(scalars) + len(packed)] = packed
+    ops.pack_bytes(data, out=values[len(scalars):])
     return row_sparse_push(layout, values,
                            rank * layout.slot_rows + np.arange(layout.slot_rows))
 

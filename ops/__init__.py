@@ -32,7 +32,8 @@ from . import _checks, _cpp, build, formats, reference
 
 __all__ = ["backend", "quantize_2bit", "settle_2bit", "l1_stats", "dequantize_2bit",
            "select_kernels", "scatter_kernels", "momentum_velocity", "momentum_correct",
-           "bound_rows", "sum_2bit", "decode_sums", "unpack_bytes", "sum_carried_2bit",
+           "bound_rows", "sum_2bit", "decode_sums", "unpack_bytes", "pack_bytes",
+           "sum_carried_2bit",
            "set_num_threads", "formats", "reference", "build"]
 
 _lock = threading.Lock()
@@ -327,6 +328,29 @@ def unpack_bytes(values, nbytes):
     if _use_cpp(values):
         return _cpp.unpack_bytes(values, nbytes)
     return reference._unpack_bytes(values, nbytes)
+
+
+def pack_bytes(data, out=None):
+    """formats.pack_bytes on the host, in C, on the calling thread: uint8 numpy (n,) ->
+    float32 numpy carriers (formats.carrier_values(n),), 15 bytes in 4 values, written
+    into ``out`` (a float32 numpy view of at least that many values) if given. Bitwise
+    formats.pack_bytes (the reference backend calls it). Returns the carriers."""
+    data = np.ascontiguousarray(data)
+    if data.dtype != np.uint8 or data.ndim != 1:
+        raise TypeError("pack_bytes: data must be 1-D uint8, got %s %s"
+                        % (data.dtype, data.shape))
+    need = formats.carrier_values(len(data))
+    if out is None:
+        out = np.empty(need, np.float32)
+    if out.dtype != np.float32 or out.ndim != 1 or len(out) < need \
+            or not out.flags.c_contiguous:
+        raise ValueError("pack_bytes: out must be contiguous float32 of at least %d values "
+                         "to carry %d bytes" % (need, len(data)))
+    if backend() != "cpp":
+        out[:need] = formats.pack_bytes(data)
+    elif len(data):
+        build.pack_carriers(data, out)
+    return out[:need]
 
 
 def sum_carried_2bit(slots, offset, size):

@@ -385,6 +385,16 @@ def sum_carried_2bit(slots, offset, size, out, bad):
        ctypes.c_int64(offset), ctypes.c_int64(size), ptr(out.ctypes.data), ptr(bad.ctypes.data))
 
 
+def pack_carriers(data, values):
+    """The library's hylo_pack_carriers on C-contiguous numpy arrays (arguments checked
+    by mxhylo.ops.pack_bytes)."""
+    import ctypes
+    fn = _c_library().hylo_pack_carriers
+    fn.restype = None
+    fn(ctypes.c_void_p(data.ctypes.data), ctypes.c_int64(len(data)),
+       ctypes.c_void_p(values.ctypes.data))
+
+
 def set_simd(on):
     """Use the AVX-512 row-norm kernel of select_kernels (when compiled in, the
     default) or the portable loop; returns whether AVX-512 is now in use. Both

@@ -33,8 +33,8 @@ from mxhylo import launch, procs
 from proc_helpers import clean_env, end_groups, launched_pids
 from mxhylo.kvstore import server as server_mod
 from mxhylo.kvstore.server import ServerDecoder, ServerState
-from mxhylo.kvstore.wire import (ChunkLayout, pack_bytes, plan_chunks,
-                                 row_sparse_push, rows_from_zero)
+from mxhylo.kvstore.wire import ChunkLayout, plan_chunks, row_sparse_push, rows_from_zero
+from mxhylo.ops.formats import pack_bytes
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SCRIPTS = os.path.join(REPO, "tests", "distributed", "jobs")

@@ -104,7 +104,7 @@ def test_gather_layout_round_trip():
     assert gather_payloads(conv, empty) == [] == gather_payloads(conv, mx.nd.array(empty))
     fc = plan_chunks("fc_2bit", (200, 100), 3, pull="gather")[0]
     assert fc.pull == "gather" and fc.slots == 3
-    from mxhylo.kvstore.wire import pack_bytes
+    from mxhylo.ops.formats import pack_bytes
     n_bytes = 4 * -(-fc.size // 16)                      # the int32 code words
     rng = np.random.RandomState(1)
     sent = [rng.randint(0, 256, n_bytes).astype(np.uint8) for _ in range(fc.slots)]

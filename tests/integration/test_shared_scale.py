@@ -142,6 +142,27 @@ def test_bytes_out_of_carriers_as_numpy(nbytes):
         assert bad.asnumpy().tolist() == [0, 0, 1]
 
 
+@pytest.mark.parametrize("nbytes", [0, 1, 14, 15, 16, 17, 29, 30, 31, 1000, 4097])
+def test_bytes_into_carriers_as_numpy(nbytes):
+    """ops.pack_bytes (C, on the host: a worker's slot) writes numpy's carriers bitwise,
+    for whole groups, a partial last group and none, into a view of a larger array
+    without touching the values past its carriers."""
+    rng = np.random.RandomState(nbytes)
+    data = rng.randint(0, 256, size=nbytes).astype(np.uint8)
+    want = sums.pack_bytes(data)
+    slot = np.full(3 + len(want) + 5, 7.0, np.float32)
+    got = ops.pack_bytes(data, out=slot[3:])
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(slot[3:3 + len(want)].view(np.uint32), want.view(np.uint32))
+    assert (slot[:3] == 7).all() and (slot[3 + len(want):] == 7).all()
+    np.testing.assert_array_equal(ops.pack_bytes(data).view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="at least %d values to carry %d bytes"
+                       % (len(want) + 8, nbytes + 30)):
+        ops.pack_bytes(np.zeros(nbytes + 30, np.uint8), out=slot[3:])
+    with pytest.raises(TypeError, match="1-D uint8"):
+        ops.pack_bytes(data.view(np.int8))
+
+
 def _carried_slots(rng, workers, size, offset, extra):
     """W slots as a server sees them: ``offset`` header values, then random code words'
     bytes in carriers, then zeros; and the code words."""

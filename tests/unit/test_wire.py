@@ -129,7 +129,7 @@ def test_packed_bytes_are_normal_floats_that_survive_a_sum(n):
     zero, denormal, Inf or NaN), so that adding zeros, as the servers' sum of other
     slots does, keeps every bit; unpack_bytes returns the bytes, all 256 values and
     the edges (all zero, all ones) included."""
-    from mxhylo.kvstore.wire import pack_bytes, carrier_values, unpack_bytes
+    from mxhylo.ops.formats import pack_bytes, carrier_values, unpack_bytes
     rng = np.random.RandomState(n)
     for data in (rng.randint(0, 256, n).astype(np.uint8), np.zeros(n, np.uint8),
                  np.full(n, 255, np.uint8), (np.arange(n) % 256).astype(np.uint8)):
@@ -144,7 +144,7 @@ def test_packed_bytes_are_normal_floats_that_survive_a_sum(n):
 
 
 def test_unpack_names_an_altered_payload():
-    from mxhylo.kvstore.wire import pack_bytes, unpack_bytes
+    from mxhylo.ops.formats import pack_bytes, unpack_bytes
     values = pack_bytes(np.arange(30, dtype=np.uint8))
     values[5] = 3.0                          # an exponent pack_bytes never writes
     with pytest.raises(ValueError, match="altered"):
