@@ -18,6 +18,15 @@ simulation (kvstore.simulate), where this machine cannot run as many processes.
   conv_topk) and 'shared' (the same layers as shared_2bit). Same seed, same data and
   initialisation in every mode: the report gives paired differences. BatchNorm's
   running statistics are one net's, updated by every worker's batch in turn.
+* merge: per W, the time a parameter server of MXNet 1.9.1 spends merging the W
+  workers' pushes of one 'slots' key (the first chunk of a --merge-elements 2-bit
+  layer, 1 server; each push one worker's slot rows) as its sync row_sparse handler
+  does: the first push copied, each
+  later one added to the merged rows into a new array, which is copied back
+  (src/kvstore/kvstore_dist_server.h, DataHandleRowSparse). The same MXNet operators,
+  in this process, on one thread; best of --repeats. The union grows with every push,
+  so a key costs about W^2 / 2 slot copies: the servers' share of both the gathered
+  and the summed pull grows with W even where the bytes on the wire do not.
 """
 import time
 
@@ -30,7 +39,8 @@ CODECS = ("dense", "gather", "shared")      # of the simulated store
 
 
 def add_arguments(p):
-    p.add_argument("--part", default="bytes,accuracy", help="bytes, accuracy or both")
+    p.add_argument("--part", default="bytes,accuracy",
+                   help="of bytes, accuracy and merge (default bytes,accuracy)")
     p.add_argument("--workers", default="4,16,64", help="W of the bytes part (4,16,64)")
     p.add_argument("--models", default="resnet50_v1b,vgg16", help="gluoncv models (bytes)")
     p.add_argument("--servers", type=int, default=2, help="servers of the bytes part (2)")
@@ -42,6 +52,9 @@ def add_arguments(p):
     p.add_argument("--lr", type=float, default=0.05, help="peak learning rate (0.05)")
     p.add_argument("--codecs", default=",".join(CODECS),
                    help="the simulated store's codecs, of %s" % ", ".join(CODECS))
+    p.add_argument("--merge-elements", type=int, default=2 ** 20,
+                   help="elements of the 2-bit chunk of the merge part (1M)")
+    p.add_argument("--repeats", type=int, default=5, help="merge part: timed merges (5)")
 
 
 def run(args):
@@ -52,7 +65,49 @@ def run(args):
                                   [int(w) for w in args.workers.split(",")], args.servers)
     if "accuracy" in parts:
         out["accuracy"] = accuracy(args)
+    if "merge" in parts:
+        out["merge"] = server_merge([int(w) for w in args.workers.split(",")],
+                                    args.merge_elements, args.repeats)
     return out
+
+
+# -- the servers' merge -------------------------------------------------------------------
+
+def merge_as_server(pushes):
+    """row_sparse NDArrays of one key, in arrival order -> their sum, merged as MXNet
+    1.9.1's sync server merges them: push 1 copied, then per push a new array of the
+    union (elemwise_add) copied back into the merge buffer."""
+    import mxnet as mx
+    merged = pushes[0].copy()
+    for push in pushes[1:]:
+        merged = mx.nd.sparse.elemwise_add(push, merged).copy()
+    return merged
+
+
+def server_merge(workers, elements, repeats):
+    """Per W: seconds to merge one 'slots' key's W pushes as MXNet's server does (see
+    the module docstring), in all and per worker's slot."""
+    import mxnet as mx
+    from ..kvstore.wire import plan_chunks
+    rows = []
+    for w in workers:
+        layout = plan_chunks("shared_2bit", (elements,), w, 1, pull="gather")[0]
+        slot = np.ones((layout.slot_rows, layout.cols), np.float32)
+        pushes = [mx.nd.sparse.row_sparse_array(
+            (slot, np.arange(r * layout.slot_rows, (r + 1) * layout.slot_rows)),
+            shape=layout.key_shape) for r in range(w)]
+        mx.nd.waitall()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            merge_as_server(pushes).wait_to_read()
+            times.append(time.perf_counter() - start)
+        best = min(times)
+        rows.append({"workers": w, "slot_bytes": int(slot.nbytes), "key_s": round(best, 6),
+                     "per_slot_s": round(best / w, 6)})
+        log("merge W=%-3d one key of %d slots of %.0f KB: %.1f ms, %.2f ms a slot"
+            % (w, w, slot.nbytes / 1e3, 1e3 * best, 1e3 * best / w))
+    return rows
 
 
 # -- bytes --------------------------------------------------------------------------------
@@ -211,6 +266,19 @@ def plot(out, path):
                     ylabel="pull per worker / dense bytes")
         axes[0].minorticks_off()
     axes[0].legend(fontsize=7)
+    merge = out.get("merge", [])
+    if merge:       # beside the bytes on a second scale, else alone
+        ax = axes[0].twinx() if out.get("bytes") else axes[0]
+        ws = [r["workers"] for r in merge]
+        ax.plot(ws, [1e3 * r["per_slot_s"] for r in merge], "^:k",
+                label="servers' merge, ms a slot")
+        ax.set(xscale="log", xticks=ws, xticklabels=ws, xlabel="workers",
+               ylabel="servers' merge, ms per worker's slot (%d KB)"
+               % round(merge[0]["slot_bytes"] / 1e3))
+        ax.minorticks_off()
+        ax.legend(fontsize=7, loc="lower right")
+    if "accuracy" not in out:
+        axes[1].set_visible(False)
     paired = out.get("accuracy", {}).get("paired", {})
     for i, (net, cell) in enumerate(paired.items()):
         codecs = [c for c in cell if "-" not in c]
