@@ -1798,15 +1798,15 @@ __attribute__((visibility("default"))) void hylo_notify_ready(void* rctx, void* 
     left -= static_cast<size_t>(n);
   }
 }
-// mxhylo.ops.sum_carried_2bit (see sum_carried): slots float32 (rows, stride), the code
-// bytes carried from column `offset`; out float32, the packed sums carried; bad
-// (rows,): per row, values no pack_bytes writes.
 // A worker's slot of a 'slots' chunk (mxhylo/kvstore/wire.py push_slot): nbytes bytes
 // into carrier values, on host memory the caller owns, on the calling thread.
 __attribute__((visibility("default"))) void hylo_pack_carriers(const uint8_t* bytes,
                                                                int64_t nbytes, float* values) {
   pack_carriers(bytes, nbytes, reinterpret_cast<uint32_t*>(values));
 }
+// mxhylo.ops.sum_carried_2bit (see sum_carried): slots float32 (rows, stride), the code
+// bytes carried from column `offset`; out float32, the packed sums carried; bad
+// (rows,): per row, values no pack_bytes writes.
 __attribute__((visibility("default"))) void hylo_sum_carried_2bit(
     const float* slots, int64_t rows, int64_t stride, int64_t offset, int64_t n, float* out,
     int64_t* bad) {

@@ -920,6 +920,7 @@ def isa_child(path):
             slots = np.stack([sums.pack_bytes(row.view(np.uint8)) for row in x])
             out[name + "/carried"] = ops.sum_carried_2bit(slots, 0, y.size)[0]
             out[name + "/uncarried"] = ops.unpack_bytes(nd(slots), 4 * x.shape[1])[0].asnumpy()
+            out[name + "/slot"] = ops.pack_bytes(x[-1].view(np.uint8))
         elif op == "bound":
             res = nd(y)
             out[name + "/cut"] = ops.bound_rows(res, nd(x), p).asnumpy()
@@ -1023,6 +1024,9 @@ def test_native_build_matches_numpy(isa_outputs):
             np.testing.assert_array_equal(bits(out[name + "/carried"]),
                                           bits(sums.pack_bytes(want)), err_msg=name)
             np.testing.assert_array_equal(out[name + "/uncarried"], x.view(np.uint8),
+                                          err_msg=name)
+            np.testing.assert_array_equal(bits(out[name + "/slot"]),
+                                          bits(sums.pack_bytes(x[-1].view(np.uint8))),
                                           err_msg=name)
         elif op == "bound":
             want = mx.nd.array(y)
