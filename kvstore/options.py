@@ -42,10 +42,8 @@ TABLE = (
      "{'.*': 'none'} turns compression off"),
     ("size_threshold", "8192", "layers with fewer elements travel uncompressed",
      "rarely; fixes the plan without the cost model"),
-    ("conv_rate", "None (conv layers 2-bit)", "given: conv layers send their top-k "
-     "filters (by L2 norm), this fraction of them per step, instead of 2 bits per element",
-     "for long jobs on slow links: under 1/16 it sends fewer bytes than 2-bit, each "
-     "filter waiting about 1/rate steps"),
+    ("conv_rate", "None (adaptive)", "fraction of a conv layer's filters sent per step",
+     "to trade bytes for staleness on conv layers"),
     ("compress_pull", "'auto'", "'auto'/True: the workers' payloads gathered (exact; "
      "from 16 workers, shared_2bit's integer sums); False: the dense aggregate",
      "rarely: False for Hylo's dense pull as published"),
