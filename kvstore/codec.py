@@ -19,6 +19,8 @@ from typing import Tuple
 import mxnet as mx
 import numpy as np
 
+from ..ops import formats
+
 
 @dataclass
 class Payload:
@@ -95,3 +97,17 @@ class Compressor:
         ``data`` (uint8 numpy, at least byte_span(0, size)[1] of them) and its header
         ``scalars`` (the payload's own, as travelled: float32)."""
         raise NotImplementedError
+
+    def decode_slots(self, slots, size, out):
+        """'slots' codecs, a 'gather' pull: ``out`` (float32 NDArray (size,)) <- every
+        worker's payload of a piece of ``size`` elements, decoded and added in rank
+        order. slots: float32 numpy (W, m), row w worker w's slot as kvstore.wire's
+        push_slot writes it (the header scalars, then the bytes in carriers).
+        ValueError if a slot was altered on the way. Here: each slot's piece_payload
+        decoded in turn; a codec may do it in one pass (TwoBit)."""
+        nbytes = self.byte_span(0, size)[1]
+        out[:] = 0
+        for slot in slots:
+            data = formats.unpack_bytes(slot[self.scalars:], nbytes)
+            self.decode(self.piece_payload(data, slot[:self.scalars], size), out,
+                        accumulate=True)

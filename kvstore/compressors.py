@@ -104,6 +104,16 @@ class TwoBit(Compressor):
         return Payload(self.name, (size,), (mx.nd.array(words, dtype=np.int32),),
                        tuple(float(v) for v in scalars))
 
+    def decode_slots(self, slots, size, out):
+        """One C++ pass over every worker's carried codes (ops.decode_carried_2bit):
+        bitwise each payload decoded in turn, without W NDArray copies and operators."""
+        summed, bad = ops.decode_carried_2bit(slots, self.scalars, size)
+        if bad.any():
+            raise ValueError("the 2-bit slots of worker rank(s) %s hold values no "
+                             "pack_bytes writes: the payload was altered on the way"
+                             % ", ".join(str(w) for w in np.flatnonzero(bad)))
+        out[:] = summed
+
 
 class ConvTopK(Compressor):
     """Convolution layers: the k output filters of largest L2 norm of (g + r).

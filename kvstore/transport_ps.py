@@ -23,7 +23,7 @@ from .ps_keys import Chunk, KeyTable, bucket_signature
 from .transport import Traffic, Transport, wait_timed
 from .watchdog import StallWatchdog
 from .wire import (BIGARRAY_BOUND, DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, ROW_ID_BYTES,
-                   ChunkLayout, empty_push, gather_payloads, push_slot, push_rows,
+                   ChunkLayout, empty_push, gather_payloads, gathered_slots, push_slot, push_rows,
                    summed_aggregate, agreed_header)
 
 # The keys' sizes (tuning constants, not options: tests of the cutting set them lower).
@@ -362,10 +362,12 @@ class PSTransport(Transport):
                                               out=piece)
             self._headers.setdefault(id(p.traffic), (p.traffic, p.name, []))[2].append(
                 (header, bad))
-        else:
+        elif chunk.kind == "slots":
             # decoded in rank order, as the server decodes a dense pull: bitwise equal
-            target = piece.reshape((chunk.rows_filters, chunk.cols)) \
-                if chunk.kind == "rows" else piece
+            self._codecs[chunk.codec].decode_slots(gathered_slots(chunk, rows), chunk.size,
+                                                   piece)
+        else:
+            target = piece.reshape((chunk.rows_filters, chunk.cols))
             mx.nd.zeros_like(target, out=target)
             for payload in gather_payloads(chunk, rows):
                 self._codecs[payload.strategy].decode(payload, target, accumulate=True)

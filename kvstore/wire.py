@@ -435,6 +435,16 @@ def agreed_header(name, header, bad):
     return tuple(float(v) for v in header.asnumpy())
 
 
+def gathered_slots(layout, values):
+    """A 'slots' chunk's 'gather' pull: pulled float32 values (pull_rows * cols,),
+    numpy or NDArray -> float32 numpy (W, slot_rows * cols), row w worker w's slot
+    (read by the codec's decode_slots, or slot by slot by :func:`slot_payload`)."""
+    if isinstance(values, mx.nd.NDArray):
+        values = values.asnumpy()
+    per_slot = layout.slot_rows * layout.cols
+    return values[:layout.slots * per_slot].reshape(layout.slots, per_slot)
+
+
 def gather_payloads(layout, values):
     """The workers' side of a 'gather' pull: pulled float32 values (pull_rows * cols,),
     numpy or NDArray -> the Payloads whose decodes, accumulated in order, are the
@@ -442,11 +452,7 @@ def gather_payloads(layout, values):
     filter indices) to the host; the filters' values stay where they were pulled (the
     payload's values are a view of ``values``)."""
     if layout.kind == "slots":
-        if isinstance(values, mx.nd.NDArray):
-            values = values.asnumpy()
-        per_slot = layout.slot_rows * layout.cols
-        return [slot_payload(layout, values[w * per_slot:(w + 1) * per_slot])
-                for w in range(layout.slots)]
+        return [slot_payload(layout, slot) for slot in gathered_slots(layout, values)]
     head = -(-(1 + layout.pull_k) // layout.cols) * layout.cols
     header = values[:head]
     if isinstance(header, mx.nd.NDArray):

@@ -352,6 +352,52 @@ def pack_bytes(data, out=None):
     return out[:need]
 
 
+def decode_carried_2bit(slots, offset, size):
+    """The workers' side of a 2-bit chunk's 'gather' pull, on host (numpy) arrays, on
+    the calling thread: every worker's payload decoded and summed in rank order.
+
+    slots: float32 numpy (W, m), row w worker w's slot as mxhylo.kvstore.wire.push_slot
+    writes it: column 0 the value v_w its codes were sent with (quantize_2bit's
+    stats[2]: finite and > 0), from column ``offset`` on the bytes of its 2-bit code
+    words for ``size`` elements (4 * ceil(size/16) bytes) in float32 carriers
+    (formats.pack_bytes). W >= 1.
+    Returns (float32 numpy (size,): bitwise zeros, then dequantize_2bit(codes_w, v_w,
+    accumulate=True) for w = 0 .. W-1; int64 numpy (W,): per row, the carrier values
+    no pack_bytes writes: a row with any was altered on the way, and the sum is
+    garbage). ValueError names a row whose v_w is not finite and > 0.
+    One C++ pass, block by block, where the per-payload route took W unpackings,
+    W copies into NDArrays and W engine operations.
+    """
+    slots = np.ascontiguousarray(slots, np.float32)
+    size = _checks.positive_int(size, "size", "decode_carried_2bit")
+    if slots.ndim != 2 or slots.shape[0] < 1:
+        raise ValueError("decode_carried_2bit: slots must be (W, m) with W >= 1, got shape %s"
+                         % (slots.shape,))
+    code_bytes = 4 * _checks.num_words(size)
+    if not 1 <= offset or offset + formats.carrier_values(code_bytes) > slots.shape[1]:
+        raise ValueError("decode_carried_2bit: %d values from column %d (>= 1) carry the "
+                         "codes of %d elements; the slots have %d columns"
+                         % (formats.carrier_values(code_bytes), offset, size, slots.shape[1]))
+    value = np.ascontiguousarray(slots[:, 0])
+    for w, v in enumerate(value):
+        if not (np.isfinite(v) and v > 0):
+            raise ValueError("decode_carried_2bit: row %d was sent with value %r; a "
+                             "2-bit payload's value is finite and > 0" % (w, float(v)))
+    bad = np.zeros(slots.shape[0], np.int64)
+    if backend() != "cpp":
+        total = np.zeros(size, np.float32)
+        rows = slots[:, offset:offset + formats.carrier_values(code_bytes)]
+        for w, row in enumerate(rows):
+            exponent = (row.view(np.uint32) >> 23) & 0xFF
+            bad[w] = int(((exponent < 1) | (exponent > 64)).sum())
+            words = formats.unpack_bytes(row, code_bytes, check=False).view(np.int32)
+            total += formats.unpack_codes(words, size).astype(np.float32) * value[w]
+        return total, bad
+    out = np.empty(size, np.float32)
+    build.decode_carried_2bit(slots, offset, value, size, out, bad)
+    return out, bad
+
+
 def sum_carried_2bit(slots, offset, size):
     """The servers' side of a 'sum' pull, on host (numpy) arrays, on the calling thread.
 

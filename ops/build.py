@@ -385,6 +385,18 @@ def sum_carried_2bit(slots, offset, size, out, bad):
        ctypes.c_int64(offset), ctypes.c_int64(size), ptr(out.ctypes.data), ptr(bad.ctypes.data))
 
 
+def decode_carried_2bit(slots, offset, value, size, out, bad):
+    """The library's hylo_decode_carried_2bit on C-contiguous numpy arrays (arguments
+    checked by mxhylo.ops.decode_carried_2bit)."""
+    import ctypes
+    fn = _c_library().hylo_decode_carried_2bit
+    fn.restype = None
+    ptr = ctypes.c_void_p
+    fn(ptr(slots.ctypes.data), ctypes.c_int64(slots.shape[0]), ctypes.c_int64(slots.shape[1]),
+       ctypes.c_int64(offset), ptr(value.ctypes.data), ctypes.c_int64(size),
+       ptr(out.ctypes.data), ptr(bad.ctypes.data))
+
+
 def pack_carriers(data, values):
     """The library's hylo_pack_carriers on C-contiguous numpy arrays (arguments checked
     by mxhylo.ops.pack_bytes)."""

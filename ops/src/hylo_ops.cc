@@ -1666,6 +1666,29 @@ void sum_carried(const float* slots, int64_t rows, int64_t stride, int64_t offse
   }
 }
 
+// A 'gather' pull of a 2-bit chunk, on host arrays: each worker's carried code bytes
+// (mxhylo/kvstore/wire.py push_slot) decoded and added in rank order, block by block
+// in L1, on the calling thread. Bitwise out = 0, then dequantize_2bit(...,
+// accumulate=True) of each worker's payload in order (the tests compare): one pass
+// where that was W engine operations, W host-to-NDArray copies and W unpackings.
+void decode_carried(const float* slots, int64_t rows, int64_t stride, int64_t offset,
+                    const float* value, int64_t n, float* out, int64_t* bad) {
+  const int64_t block = 3840;  // 960 code bytes = 64 carrier groups: groups align
+  std::vector<uint32_t> codes(block / 16);
+  for (int64_t w = 0; w < rows; ++w) bad[w] = 0;
+  for (int64_t e0 = 0; e0 < n; e0 += block) {
+    const int64_t m = std::min(block, n - e0);
+    const int64_t nw = (m + 15) / 16, b0 = e0 / 4;  // words, and the first code byte
+    for (int64_t i = 0; i < m; ++i) out[e0 + i] = 0.f;
+    for (int64_t w = 0; w < rows; ++w) {
+      const uint32_t* values = reinterpret_cast<const uint32_t*>(slots + w * stride + offset);
+      bad[w] += unpack_carriers(values + 4 * (b0 / 15), 4 * nw,
+                                reinterpret_cast<uint8_t*>(codes.data()));
+      dequantize_all<1>(codes.data(), out + e0, m, value[w]);
+    }
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- registry
@@ -1811,6 +1834,14 @@ __attribute__((visibility("default"))) void hylo_sum_carried_2bit(
     const float* slots, int64_t rows, int64_t stride, int64_t offset, int64_t n, float* out,
     int64_t* bad) {
   sum_carried(slots, rows, stride, offset, n, out, bad);
+}
+// mxhylo.ops.decode_carried_2bit (see decode_carried): slots float32 (rows, stride),
+// the code bytes carried from column `offset`; value (rows,): what each row's codes
+// were sent with; out float32 (n,); bad (rows,): per row, values no pack_bytes writes.
+__attribute__((visibility("default"))) void hylo_decode_carried_2bit(
+    const float* slots, int64_t rows, int64_t stride, int64_t offset, const float* value,
+    int64_t n, float* out, int64_t* bad) {
+  decode_carried(slots, rows, stride, offset, value, n, out, bad);
 }
 // What the compiler targeted: "key=0|1 ..." (mxhylo.ops.build.build_info()).
 __attribute__((visibility("default"))) const char* hylo_build_info() {

@@ -885,6 +885,19 @@ def isa_inputs():
     return cases
 
 
+def worker_value(p, w):
+    """The value worker w's 2-bit codes were sent with, in the gathered-pull cases: a
+    different float32 per worker, so that the order of the adds shows in the bits."""
+    return F32(p * (1.0 + w / 3.0))
+
+
+def gather_slots(carriers, p):
+    """Workers' slots of a 'gather' pull (wire.push_slot): each worker's value, then
+    its carried code bytes."""
+    values = np.array([worker_value(p, w) for w in range(len(carriers))], F32)
+    return np.concatenate([values[:, None], carriers], axis=1)
+
+
 def isa_child(path):
     """Run every isa_inputs() case through this process's build; save the outputs."""
     out = {"build_info": np.array(repr(build.build_info()))}
@@ -919,6 +932,8 @@ def isa_child(path):
                                                      len(x)).asnumpy()
             slots = np.stack([sums.pack_bytes(row.view(np.uint8)) for row in x])
             out[name + "/carried"] = ops.sum_carried_2bit(slots, 0, y.size)[0]
+            out[name + "/gathered"] = ops.decode_carried_2bit(gather_slots(slots, p), 1,
+                                                              y.size)[0]
             out[name + "/uncarried"] = ops.unpack_bytes(nd(slots), 4 * x.shape[1])[0].asnumpy()
             out[name + "/slot"] = ops.pack_bytes(x[-1].view(np.uint8))
         elif op == "bound":
@@ -1024,6 +1039,11 @@ def test_native_build_matches_numpy(isa_outputs):
             np.testing.assert_array_equal(bits(out[name + "/carried"]),
                                           bits(sums.pack_bytes(want)), err_msg=name)
             np.testing.assert_array_equal(out[name + "/uncarried"], x.view(np.uint8),
+                                          err_msg=name)
+            gathered = np.zeros(y.size, F32)        # each worker's decode added in order
+            for w, words in enumerate(x):
+                gathered += sums.unpack_codes(words, y.size).astype(F32) * worker_value(p, w)
+            np.testing.assert_array_equal(bits(out[name + "/gathered"]), bits(gathered),
                                           err_msg=name)
             np.testing.assert_array_equal(bits(out[name + "/slot"]),
                                           bits(sums.pack_bytes(x[-1].view(np.uint8))),

@@ -265,3 +265,39 @@ def test_a_models_layers_are_made_with_one_barrier():
     assert all(table.broadcast_key(l) in calls[0] for l in layers)
     table.init(layers, [mx.nd.ones(l.plan.shape) for l in layers])     # made already
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4, 7])
+def test_2bit_gather_decodes_in_one_pass_as_payload_by_payload(workers):
+    """A 2-bit chunk's 'gather' pull (TwoBit.decode_slots, one C++ pass) is bitwise the
+    sum of each worker's payload decoded in rank order (Compressor.decode_slots), on
+    chunks within one block of the pass, on its edge and over several; a slot whose
+    carriers were altered, or whose value is not finite and > 0, is refused by name."""
+    from mxhylo.kvstore.codec import Compressor
+    codec = make_compressors()["fc_2bit"]
+    rng = np.random.RandomState(workers)
+    for n in (1, 17, 3840, 3841, 3 * 3840 + 333):
+        (c,) = plan_chunks("fc_2bit", (n,), workers, 1, 1 << 20)
+        values, codes = [], []
+        for w in range(workers):
+            g = mx.nd.array(rng.randn(n).astype(np.float32) * 10.0 ** rng.randint(-3, 3))
+            words, stats = ops.quantize_2bit(g, mx.nd.zeros((n,)), 0.7 * g.abs().mean().asscalar())
+            values.append(float(stats.asnumpy()[2]))
+            codes.append(words.asnumpy())
+        summed = _server_sum([push_slot(c, w, codes[w].view(np.uint8), (values[w],))[0]
+                              for w in range(workers)])
+        slots = summed.data.asnumpy().reshape(workers, -1)
+        fused, each = mx.nd.ones((n,)), mx.nd.ones((n,))
+        codec.decode_slots(slots, n, fused)
+        Compressor.decode_slots(codec, slots, n, each)
+        assert np.abs(each.asnumpy()).sum() > 0
+        np.testing.assert_array_equal(fused.asnumpy().view(np.uint32),
+                                      each.asnumpy().view(np.uint32))
+    altered = slots.copy()
+    altered[workers - 1, 2] = np.inf
+    with pytest.raises(ValueError, match="rank\\(s\\) %d hold values" % (workers - 1)):
+        codec.decode_slots(altered, n, fused)
+    altered = slots.copy()
+    altered[0, 0] = -1.0
+    with pytest.raises(ValueError, match="row 0 was sent with value -1"):
+        codec.decode_slots(altered, n, fused)
