@@ -11,7 +11,9 @@ import numpy as np
 
 from .policy import DEFAULT_SIZE_THRESHOLD, compress_pull_mode
 
-DEFAULT_WARMUP_STEPS = 30
+# dense steps first: enough for the route trial to time the servers' route (its first
+# kvstore.route.SKIPPED_STEPS untimed); the 2-bit codec itself needs none
+DEFAULT_WARMUP_STEPS = 10
 
 # options no longer offered -> what to do instead (the error a user gets)
 REMOVED_OPTIONS = {
@@ -42,14 +44,17 @@ TABLE = (
      "{'.*': 'none'} turns compression off"),
     ("size_threshold", "8192", "layers with fewer elements travel uncompressed",
      "rarely; fixes the plan without the cost model"),
-    ("conv_rate", "None (adaptive)", "fraction of a conv layer's filters sent per step",
-     "to trade bytes for staleness on conv layers"),
+    ("conv_rate", "None (conv layers 2-bit)", "given: conv layers send their top-k "
+     "filters (by L2 norm), this fraction of them per step, instead of 2 bits per element",
+     "for long jobs on slow links: under 1/16 it sends fewer bytes than 2-bit, each "
+     "filter waiting about 1/rate steps"),
     ("compress_pull", "'auto'", "'auto'/True: the workers' payloads gathered (exact; "
      "from 16 workers, shared_2bit's integer sums); False: the dense aggregate",
      "rarely: False for Hylo's dense pull as published"),
-    ("warmup_steps", "30", "a compressed layer's first exchanges travel dense",
-     "0 to compress from the first step (2-bit layers need no warm-up; top-k conv "
-     "layers do)"),
+    ("warmup_steps", "10", "a compressed layer's first exchanges travel dense (on the "
+     "servers' route, which server_update='auto' times on them)", "0 to compress from "
+     "the first step (no route trial); 30 or more with conv_rate (top-k filters need "
+     "a warm-up)"),
     ("momentum_correction", "'auto'", "with MXNet's SGD and momentum, compress the "
      "velocity and correct the aggregate (DGC)", "False for plain error feedback"),
     ("cost_model", "'auto'", "measure the network and codecs at start-up, plan by "

@@ -243,10 +243,9 @@ def _rule_reason(policy, plan):
     if plan.strategy == "none" and n < policy.size_threshold:
         return "below size_threshold (%d elements)" % policy.size_threshold
     if plan.strategy == "conv_topk":
-        return "4-D weight: top-k filters"
+        return "4-D weight: top-k filters (conv_rate %g)" % plan.rate
     if plan.strategy == "fc_2bit":
-        return "4-D weight: 2-bit (no more bytes than top-k)" if len(shape) == 4 \
-            else "2-D weight: 2-bit"
+        return "%d-D weight: 2-bit" % len(shape)
     return "%d-D: the rule compresses 2-D and 4-D weights only" % len(shape)
 
 

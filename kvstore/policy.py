@@ -1,34 +1,31 @@
 """Layer policy: which compression each parameter's gradient gets, from its name and shape.
 
-The rule (Hylo):
+The rule (Hylo's layer types, 2-bit for both kinds of weight):
 
 * fewer than ``size_threshold`` elements -> ``none``: small tensors cost latency, not
   bandwidth, so they travel as they are.
-* 4-D weight (O, I, kh, kw), a convolution -> ``conv_topk``: each step sends the
-  k = max(1, round(rate * O)) output filters of largest L2 norm (gradient + residual),
-  with the layer-adaptive rate
+* 4-D weight (O, I, kh, kw), a convolution -> ``fc_2bit``, as a fully connected layer
+  below: part of every element every step. Why not Hylo's top-k filters: top-k saves
+  bytes only by making filters wait. At a rate whose k filters cost fewer bytes than
+  2 bits per element (under about 1/16) each filter waits 16 steps or more in the
+  residual (42 steps for resnet18's 512x512x3x3 layers at the adaptive rate below),
+  and on time to accuracy (resnet18 on the digits, 4 workers, 6 paired seeds) that
+  wait cost 0.78 point of final accuracy against dist_sync (behind in every seed),
+  2-bit conv layers 0.19 (docs/BENCHMARKS.md, "Time to accuracy"). What 2 bits cost:
+  the gathered pull brings each worker W 2-bit payloads of every conv element (one
+  C++ pass decodes them: ops.decode_carried_2bit); resnet50_v1b's step at 1 Gbit/s
+  with 4 workers and 2 servers on 2 cores took 1.18x top-k's (more bytes to pull and
+  decode), still under dist_sync's.
+  ``conv_rate`` given -> ``conv_topk``: each step sends the k = max(1, round(rate * O))
+  output filters of largest L2 norm (gradient + residual), a bytes-for-staleness trade
+  for long jobs. ``conv_topk`` named in ``policy`` without ``conv_rate`` takes the
+  layer-adaptive rate
 
       rate(n) = clip(MAX_CONV_RATE * (RATE_REFERENCE_SIZE / n) ** 0.25,
                      MIN_CONV_RATE, MAX_CONV_RATE)
 
   for a layer of n parameters: a layer of 8192 parameters sends 10% of its filters, a
-  256x larger one 2.5%, never fewer than 1%. The fourth root keeps big layers from
-  being starved: their filters still come round within a few dozen steps. The rate
-  depends on the layer alone, not on ``size_threshold``: a lower threshold compresses
-  more layers, not each conv layer harder (on conv_net it would have sent 3 of 64
-  filters a step, the setting where top-k's accuracy varied most between seeds).
-  ``conv_rate`` fixes the rate instead.
-  Unless ``conv_rate`` is given, a conv layer whose k filters would take at least the
-  bytes of 2 bits per element (rate >= about 1/16: layers up to about 54 K elements
-  with the defaults) goes ``fc_2bit`` instead: for no more bytes, 2 bits send part of
-  every element every step, where top-k leaves most filters waiting 10-16 steps in
-  the residual. That wait was what made resnet20 slower per step than dense in the
-  accuracy study (conv_net and digits_net moved within their noise; docs/BENCHMARKS.md).
-  Larger conv layers stay top-k although their longer wait (42 steps for a 512x512x3x3
-  layer) costs a short job accuracy: with every conv layer 2-bit, each worker decodes
-  W 2-bit payloads of every conv element, and resnet50_v1b's step at 1 Gbit/s took
-  1.42x as long, slower than dist_sync's (docs/BENCHMARKS.md, "Accuracy with
-  compression"). ``policy={'conv.*weight': 'fc_2bit'}`` makes the other choice.
+  256x larger one 2.5%, never fewer than 1%.
 * 2-D weight (out, in), a fully connected layer -> ``fc_2bit``: every element is sent
   as one of {-v, 0, +v} (v: the mean |g + r| of the elements sent); the threshold that
   decides which are sent adapts to the size of that layer's values,
@@ -128,22 +125,12 @@ class LayerPolicy:
         if n < self.size_threshold:
             strategy = "none"
         elif len(shape) == 4:
-            strategy = "conv_topk"
-            if self.conv_rate is None and self._two_bits_cost_no_more(name, shape):
-                strategy = "fc_2bit"
+            strategy = "fc_2bit" if self.conv_rate is None else "conv_topk"
         elif len(shape) == 2:
             strategy = "fc_2bit"
         else:
             strategy = "none"
         return self._make(name, shape, strategy, forced=False)
-
-    def _two_bits_cost_no_more(self, name, shape):
-        """Whether fc_2bit's payload of a conv weight is no larger than conv_topk's at
-        the layer's adaptive rate (the codecs' own byte counts)."""
-        from .compressors import ConvTopK, TwoBit
-        topk = self._make(name, shape, "conv_topk", forced=False)
-        return (TwoBit().payload_nbytes(topk)
-                <= ConvTopK().payload_nbytes(topk))
 
     def plan_as(self, name, shape, strategy):
         """The LayerPlan of ``name`` with ``shape`` under ``strategy``, as an override

@@ -261,11 +261,12 @@ def test_trainer_step_exchanges_last_layer_first_and_order_changes_no_value(monk
             assert seen == [names[::-1]]
 
     rng = np.random.RandomState(3)
-    # (a conv large enough to go top-k: kvstore.policy)
+    # (the conv named top-k so that every codec takes part)
     shapes = {"conv": (256, 32, 3, 3), "fc": (64, 1152), "bias": (64,), "out": (10, 64)}
     keys = sorted(shapes)
     steps = [[rng.normal(0, 1, shapes[k]).astype(np.float32) for k in keys] for _ in range(4)]
-    forward, backward = mxhylo.create(warmup_steps=0), mxhylo.create(warmup_steps=0)
+    forward, backward = [mxhylo.create(warmup_steps=0, policy={"^conv$": "conv_topk"})
+                         for _ in range(2)]
     for grads in steps:
         a = [mx.nd.array(g) for g in grads]
         b = [mx.nd.array(g) for g in grads][::-1]

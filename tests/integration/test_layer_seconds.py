@@ -7,7 +7,7 @@ import mxhylo
 
 
 def test_every_layer_reports_what_its_exchange_cost():
-    kv = mxhylo.create("hylo", warmup_steps=0)
+    kv = mxhylo.create("hylo", warmup_steps=0, policy={"^conv$": "conv_topk"})
     shapes = {"conv": (256, 128, 3, 3), "fc": (256, 512), "bias": (64,)}
     rng = np.random.RandomState(0)
     for step in range(2):

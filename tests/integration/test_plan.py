@@ -17,7 +17,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 LAYERS = (("conv0_weight", (64, 3, 7, 7)),          # 9408: 2-bit by the rule
           ("bn0_gamma", (64,)),
-          ("conv1_weight", (256, 256, 3, 3)),       # top-k filters
+          ("conv1_weight", (256, 256, 3, 3)),       # 2-bit (top-k at a conv_rate)
           ("conv1_bias", (256,)),
           ("embed_weight", (8, 32, 64)),            # 3-D: dense by the rule
           ("fc_weight", (1000, 2048)),              # 2-bit
@@ -55,8 +55,9 @@ def test_slow_wire_compresses_big_layers():
         d = p.layer(name)
         assert d.codec != "none" and d.pull == "gather", d
         assert d.codec_s < 0.9 * d.dense_s and "predicted" in d.reason
-    assert p.layer("conv1_weight").codec == "conv_topk"
+    assert p.layer("conv1_weight").codec == "fc_2bit"
     assert p.layer("fc_weight").codec == "fc_2bit"
+    assert plan(SLOW, LayerPolicy(conv_rate=0.05)).layer("conv1_weight").codec == "conv_topk"
     for name in SMALL:
         d = p.layer(name)
         assert (d.codec, d.pull) == ("none", "dense")

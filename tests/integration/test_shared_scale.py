@@ -407,7 +407,7 @@ def test_the_plan_takes_the_shared_scale_from_16_workers():
     assert SHARED_SCALE_WORKERS == 16
     below = _plan_codecs(15)
     assert below == {"fc_weight": ("fc_2bit", "gather"),
-                     "conv_weight": ("conv_topk", "gather"), "bias": ("none", "dense")}
+                     "conv_weight": ("fc_2bit", "gather"), "bias": ("none", "dense")}
     for transport in ("ps", "horovod"):
         at = _plan_codecs(16, transport)
         assert at["fc_weight"] == at["conv_weight"] == ("shared_2bit", "sum")

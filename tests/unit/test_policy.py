@@ -8,8 +8,8 @@ from mxhylo.kvstore import LayerPolicy, adaptive_conv_rate
 def test_rule_by_shape_and_size():
     p = LayerPolicy(size_threshold=1000)
     assert p.plan("small_conv", (4, 4, 3, 3)).strategy == "none"        # 144 < 1000
-    assert p.plan("conv", (512, 64, 3, 3)).strategy == "conv_topk"
-    assert p.plan("conv_2bit", (64, 16, 3, 3)).strategy == "fc_2bit"    # see below
+    assert p.plan("conv", (512, 64, 3, 3)).strategy == "fc_2bit"        # conv: 2-bit
+    assert p.plan("conv_small", (64, 16, 3, 3)).strategy == "fc_2bit"
     assert p.plan("fc", (100, 100)).strategy == "fc_2bit"
     assert p.plan("fc_small", (10, 99)).strategy == "none"               # 990 < 1000
     assert p.plan("bias", (5000,)).strategy == "none"                   # 1-D: never compressed
@@ -17,33 +17,15 @@ def test_rule_by_shape_and_size():
     assert p.plan("at_threshold", (10, 100)).strategy == "fc_2bit"       # 1000 is not below
 
 
-def _topk_costs_at_least_2bit(shape, threshold=8192):
-    """Independent of the codecs: bytes of k filters (int32 index + float32 values)
-    against 2 bits per element in int32 words of 16 codes plus a float32 threshold."""
-    n = int(np.prod(shape))
-    rate = min(0.1, max(0.01, 0.1 * (threshold / n) ** 0.25))
-    k = max(1, int(round(rate * shape[0])))
-    return k * (4 + 4 * (n // shape[0])) >= 4 * -(-n // 16) + 4
-
-
-@pytest.mark.parametrize("shape", [(64, 16, 3, 3), (64, 32, 3, 3), (64, 64, 3, 3),
-                                   (256, 64, 1, 1), (64, 3, 11, 11), (128, 64, 3, 3),
-                                   (96, 64, 3, 3), (128, 128, 3, 3), (512, 512, 3, 3),
+@pytest.mark.parametrize("shape", [(64, 16, 3, 3), (64, 3, 11, 11), (512, 512, 3, 3),
                                    (1, 8192, 1, 1), (8192, 1, 1, 1)])
-def test_conv_goes_2bit_where_topk_would_cost_as_many_bytes(shape):
-    """A conv weight above the threshold goes top-k only where that sends fewer bytes
-    than 2 bits per element; a fixed conv_rate keeps every conv on top-k."""
-    plan = LayerPolicy().plan("conv", shape)
-    assert plan.strategy == ("fc_2bit" if _topk_costs_at_least_2bit(shape) else "conv_topk")
-    assert LayerPolicy(conv_rate=0.05).plan("conv", shape).strategy == "conv_topk"
-
-
-def test_2bit_takes_the_small_convs_and_topk_the_large():
-    p = LayerPolicy()
-    assert p.plan("c", (64, 64, 3, 3)).strategy == "fc_2bit"         # 36864: k = 4 of 64
-    assert p.plan("c", (512, 512, 3, 3)).strategy == "conv_topk"     # 2.4 M: k = 12 of 512
-    # the boundary: about 54 K elements, where the adaptive rate reaches 1/16
-    assert p.plan("c", (128, 64, 3, 3)).strategy == "conv_topk"      # 73728
+def test_conv_goes_2bit_and_topk_only_at_a_given_rate(shape):
+    """Every conv weight above the threshold goes 2-bit, whatever its size; a conv_rate
+    turns every one of them to top-k filters at that rate."""
+    assert LayerPolicy().plan("conv", shape).strategy == "fc_2bit"
+    topk = LayerPolicy(conv_rate=0.05).plan("conv", shape)
+    assert (topk.strategy, topk.rate) == ("conv_topk", 0.05)
+    assert topk.k == max(1, int(round(0.05 * shape[0])))
 
 
 def test_adaptive_rate_formula_and_k():
@@ -55,15 +37,15 @@ def test_adaptive_rate_formula_and_k():
     sizes = [t, 4 * t, 50 * t, 300 * t]
     rates = [adaptive_conv_rate(n) for n in sizes]
     assert all(a > b for a, b in zip(rates, rates[1:]))                  # bigger -> smaller
-    plan = LayerPolicy().plan("c", (512, 512, 3, 3))
+    named = {"c": "conv_topk"}      # top-k named in the policy: the adaptive rate
+    plan = LayerPolicy(policy=named).plan("c", (512, 512, 3, 3))
     expect = 0.1 * (8192 / (512 * 512 * 9)) ** 0.25
     assert plan.rate == pytest.approx(expect)
     assert plan.k == max(1, int(round(expect * 512)))
     # the size threshold says which layers are compressed, not how hard
     for threshold in (1024, 8192, 100000):
-        low = LayerPolicy(size_threshold=threshold).plan("c", (512, 512, 3, 3))
+        low = LayerPolicy(size_threshold=threshold, policy=named).plan("c", (512, 512, 3, 3))
         assert (low.rate, low.k) == (plan.rate, plan.k)
-    assert LayerPolicy(size_threshold=1024).plan("c", (64, 64, 3, 3)).strategy == "fc_2bit"
     assert LayerPolicy(conv_rate=0.5).plan("c", (64, 16, 3, 3)).k == 32
     assert LayerPolicy(conv_rate=0.001).plan("c", (64, 16, 3, 3)).k == 1  # at least one filter
 
@@ -103,30 +85,23 @@ def test_gluoncv_models(model, size):
     policy = LayerPolicy()
     plans = {n: policy.plan(n, s) for n, s in shapes.items()}
     by = {s: [p for p in plans.values() if p.strategy == s] for s in ("none", "conv_topk", "fc_2bit")}
-    # Independent expectations per model, from the architectures.
+    # Independent expectations per model, from the architectures: every 2-D and 4-D
+    # weight of 8192 elements or more goes 2-bit, nothing goes top-k unless asked
+    big = {n for n, s in shapes.items() if len(s) in (2, 4) and np.prod(s) >= 8192}
+    assert {p.name for p in by["fc_2bit"]} == big and not by["conv_topk"]
     if model == "resnet50_v1b":
-        fc = [n for n in shapes if n.endswith("dense0_weight") or n.endswith("fc_weight")]
-        assert [plans[n].strategy for n in fc] == ["fc_2bit"]           # (1000, 2048)
-        # the stem (9408 elements) and layer1's 3x3 (36864) go 2-bit: top-k would not
-        # send fewer bytes there
-        assert plans[[n for n in shapes if shapes[n] == (64, 3, 7, 7)][0]].strategy == "fc_2bit"
         # layer1's 1x1 64->64 convs (4096 elements) travel as they are
         assert all(plans[n].strategy == "none" for n in shapes if shapes[n] == (64, 64, 1, 1))
-        assert all(plans[n].strategy == "conv_topk" for n in shapes if shapes[n] == (512, 512, 3, 3))
-        convs = [s for s in shapes.values() if len(s) == 4 and np.prod(s) >= 8192]
-        assert len(by["conv_topk"]) == sum(not _topk_costs_at_least_2bit(s) for s in convs)
-        assert len(by["fc_2bit"]) == 1 + sum(_topk_costs_at_least_2bit(s) for s in convs)
-        assert len(by["conv_topk"]) > 20          # most conv layers still send filters
+        assert len(big) == 1 + 52      # the fc and 52 of the 53 convs (all but the 64x64x1x1)
     elif model == "cifar_resnet20_v1":
         # dense (10, 64) is small: every 2-bit layer is a conv
-        assert by["fc_2bit"] and all(len(p.shape) == 4 for p in by["fc_2bit"])
+        assert big and all(len(shapes[n]) == 4 for n in big)
         assert all(plans[n].strategy == "none" for n in shapes if shapes[n] == (16, 16, 3, 3))
-        # its largest convs (36864 elements) would send 4 of 64 filters: 2 bits instead
-        assert all(plans[n].strategy == "fc_2bit" for n in shapes if shapes[n] == (64, 64, 3, 3))
-        assert not by["conv_topk"]
-    else:  # alexnet: 5 convs, all above threshold (the first, 23232, goes 2-bit); 3 dense
-        assert len(by["conv_topk"]) == 4
-        assert len(by["fc_2bit"]) == 4
+    else:  # alexnet: 5 convs, all above threshold; 3 dense
+        assert len(big) == 8
+    named = LayerPolicy(conv_rate=0.02)
+    assert all(named.plan(n, shapes[n]).strategy == "conv_topk"
+               for n in big if len(shapes[n]) == 4)
     assert all(p.strategy == "none" for p in plans.values() if len(p.shape) == 1)
     # compressed layers hold most of the parameters
     total = sum(p.size for p in plans.values())

@@ -254,7 +254,7 @@ def trainer_order(how):
     net = Net()
     net.initialize(mx.init.Xavier())
     net.hybridize(static_alloc=True, static_shape=True)
-    # (a fixed conv_rate: the adaptive rule would send this small conv 2-bit)
+    # (a conv_rate sends the conv top-k; the rule alone would send it 2-bit)
     # (small buckets: the layers after the late one, fused, are not bucketed with the
     # conv's bias, written after it)
     key_sizes(bucket_bytes=4096)
@@ -468,7 +468,7 @@ def recheck():
     CostModel.from_array = classmethod(forced)
     key_sizes(chunk_elements=4096, split_elements=8192)
     # (by the rule, not named in policy: the costs do not overrule a codec the user
-    # named; a fixed conv_rate sends 'conv' top-k, where the adaptive rule would send
+    # named; a conv_rate sends 'conv' top-k, where the rule alone would send
     # it 2-bit)
     kv = mxhylo.create("dist_sync_hylo", cost_model=True, warmup_steps=1, conv_rate=0.1)
     shapes = {"conv": (64, 16, 3, 3), "fc": (96, 200), "bias": (10,)}

@@ -38,7 +38,7 @@ STEPS = 5
 
 def build_net(seed):
     """Conv 3->16 (432 elements: 'none'), conv 16->64 3x3 (9216: conv_topk with a fixed
-    conv_rate; the adaptive rule would send it 2-bit), dense
+    conv_rate; the rule alone would send it 2-bit), dense
     64->160 (10240: fc_2bit), dense 160->10 (1600: 'none'); kvstore.policy's default
     size threshold is 8192 elements."""
     net = gluon.nn.HybridSequential()
