@@ -13,9 +13,9 @@ simulation (kvstore.simulate), where this machine cannot run as many processes.
 * accuracy: the accuracy study's nets on the digits, one net trained by W simulated
   workers (each its shard of the training set, its own batches, residuals and
   encodes; momentum SGD 0.9, wd 1e-4, the cosine schedule with a 1-epoch ramp; the
-  store's defaults: 30 dense warm-up steps, momentum correction, bounded residuals).
-  --codecs: 'dense' (float32 sums), 'gather' (the default codecs: fc_2bit,
-  conv_topk) and 'shared' (the same layers as shared_2bit). Same seed, same data and
+  store's defaults: its dense warm-up steps, momentum correction, bounded residuals).
+  --codecs: 'dense' (float32 sums), 'gather' (the default codecs: fc_2bit, or
+  conv_topk for conv layers given conv_rate) and 'shared' (the same layers as shared_2bit). Same seed, same data and
   initialisation in every mode: the report gives paired differences. BatchNorm's
   running statistics are one net's, updated by every worker's batch in turn.
 * merge: per W, the time a parameter server of MXNet 1.9.1 spends merging the W
