@@ -36,7 +36,8 @@ class NoCompression(Compressor):
 
 
 class TwoBit(Compressor):
-    """Fully connected layers: every element as {-v, 0, +v} in 2 bits, error feedback.
+    """Fully connected and conv weights: every element as {-v, 0, +v} in 2 bits, error
+    feedback.
 
     Threshold: an element of a = g + r is sent where |a| >= t, t = mean(|a|). The mean is a by-product of the quantization pass (ops.quantize_2bit
     returns sum |a|), so step s quantizes with the mean measured at step s-1; the very

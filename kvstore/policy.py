@@ -9,9 +9,10 @@ The rule (Hylo's layer types, 2-bit for both kinds of weight):
   bytes only by making filters wait. At a rate whose k filters cost fewer bytes than
   2 bits per element (under about 1/16) each filter waits 16 steps or more in the
   residual (42 steps for resnet18's 512x512x3x3 layers at the adaptive rate below),
-  and on time to accuracy (resnet18 on the digits, 4 workers, 6 paired seeds) that
-  wait cost 0.78 point of final accuracy against dist_sync (behind in every seed),
-  2-bit conv layers 0.19 (docs/BENCHMARKS.md, "Time to accuracy"). What 2 bits cost:
+  and on time to accuracy (resnet18 on the digits, 4 workers, runs of 6 paired seeds)
+  top-k conv layers ended 0.78 and 0.48 point behind dist_sync and were never sooner;
+  2-bit conv layers ended -0.19, -0.04, -0.71 and +0.26 and were sooner in three of
+  four runs (docs/BENCHMARKS.md, "Time to accuracy"). What 2 bits cost:
   the gathered pull brings each worker W 2-bit payloads of every conv element (one
   C++ pass decodes them: ops.decode_carried_2bit); resnet50_v1b's step at 1 Gbit/s
   with 4 workers and 2 servers on 2 cores took 1.18x top-k's (more bytes to pull and
