@@ -107,13 +107,16 @@ class TwoBit(Compressor):
 
     def decode_slots(self, slots, size, out):
         """One C++ pass over every worker's carried codes (ops.decode_carried_2bit):
-        bitwise each payload decoded in turn, without W NDArray copies and operators."""
-        summed, bad = ops.decode_carried_2bit(slots, self.scalars, size)
+        bitwise each payload decoded in turn, without W NDArray copies and operators,
+        written straight into ``out``'s memory where it is the host's (ops.host_view)."""
+        view = ops.host_view(out, write=True)
+        summed, bad = ops.decode_carried_2bit(slots, self.scalars, size, out=view)
         if bad.any():
             raise ValueError("the 2-bit slots of worker rank(s) %s hold values no "
                              "pack_bytes writes: the payload was altered on the way"
                              % ", ".join(str(w) for w in np.flatnonzero(bad)))
-        out[:] = summed
+        if view is None:                        # a GPU's array: one copy through MXNet
+            out[:] = summed
 
 
 class ConvTopK(Compressor):

@@ -438,9 +438,12 @@ def agreed_header(name, header, bad):
 def gathered_slots(layout, values):
     """A 'slots' chunk's 'gather' pull: pulled float32 values (pull_rows * cols,),
     numpy or NDArray -> float32 numpy (W, slot_rows * cols), row w worker w's slot
-    (read by the codec's decode_slots, or slot by slot by :func:`slot_payload`)."""
+    (read by the codec's decode_slots, or slot by slot by :func:`slot_payload`). A CPU
+    NDArray's values are read in place (ops.host_view): the view is valid until the next
+    pull into them."""
     if isinstance(values, mx.nd.NDArray):
-        values = values.asnumpy()
+        view = ops.host_view(values)
+        values = values.asnumpy() if view is None else view
     per_slot = layout.slot_rows * layout.cols
     return values[:layout.slots * per_slot].reshape(layout.slots, per_slot)
 

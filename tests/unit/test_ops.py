@@ -560,6 +560,29 @@ def test_scatter_rejects_bad_indices(impl, idx):
     assert not out.asnumpy().any()  # checked before any write
 
 
+# ------------------------------------------------------ host views
+def test_host_view_is_the_arrays_own_memory_after_the_engine():
+    """host_view reads what the engine wrote (a pending operation is waited for), a
+    write through it is the NDArray's (a slice's view covers only the slice), and the
+    view keeps its array alive."""
+    whole = mx.nd.zeros((6, 7))
+    flat = whole.reshape((-1,))
+    piece = flat[9:30]
+    mx.nd.elemwise_add(mx.nd.ones((21,)), mx.nd.ones((21,)), out=piece)   # queued
+    view = ops.host_view(piece)
+    assert view.dtype == F32 and view.shape == (21,)
+    np.testing.assert_array_equal(view, np.full(21, 2, F32))
+    written = ops.host_view(piece, write=True)
+    written[:] = np.arange(21, dtype=F32)
+    expected = np.zeros(42, F32)
+    expected[9:30] = np.arange(21)
+    np.testing.assert_array_equal(whole.asnumpy().reshape(-1), expected)
+    kept = ops.host_view(mx.nd.array(np.arange(5, dtype=np.int32), dtype=np.int32))
+    np.testing.assert_array_equal(kept, np.arange(5))       # its NDArray is gone by now
+    with pytest.raises(TypeError, match="dense NDArray"):
+        ops.host_view(mx.nd.zeros((4, 2)).tostype("row_sparse"))
+
+
 # ------------------------------------------------------ momentum correction
 MOMENTUM_EDGES = [np.nan, np.inf, -np.inf, 0.0, -0.0, 3e38, -3e38, 1e-45]
 

@@ -287,12 +287,15 @@ def test_2bit_gather_decodes_in_one_pass_as_payload_by_payload(workers):
         summed = _server_sum([push_slot(c, w, codes[w].view(np.uint8), (values[w],))[0]
                               for w in range(workers)])
         slots = summed.data.asnumpy().reshape(workers, -1)
-        fused, each = mx.nd.ones((n,)), mx.nd.ones((n,))
+        layer, each = mx.nd.ones((n + 10,)), mx.nd.ones((n,))
+        fused = layer[5:5 + n]              # a chunk's piece of its layer's aggregate
         codec.decode_slots(slots, n, fused)
         Compressor.decode_slots(codec, slots, n, each)
         assert np.abs(each.asnumpy()).sum() > 0
         np.testing.assert_array_equal(fused.asnumpy().view(np.uint32),
                                       each.asnumpy().view(np.uint32))
+        kept = np.delete(layer.asnumpy(), np.arange(5, 5 + n))
+        np.testing.assert_array_equal(kept, np.ones(10, np.float32))
     altered = slots.copy()
     altered[workers - 1, 2] = np.inf
     with pytest.raises(ValueError, match="rank\\(s\\) %d hold values" % (workers - 1)):
