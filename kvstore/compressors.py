@@ -95,7 +95,9 @@ class TwoBit(Compressor):
         return 4 * -(-plan.size // 16) + 4 * self.scalars     # int32 words of 16 codes
 
     def to_bytes(self, payload):
-        return payload.arrays[0].asnumpy().view(np.uint8)
+        codes = payload.arrays[0]
+        view = ops.host_view(codes)         # read in place: the codes are never rewritten
+        return (codes.asnumpy() if view is None else view).view(np.uint8)
 
     def byte_span(self, lo, hi):
         return lo // 4, 4 * -(-hi // 16)        # whole int32 words of 16 codes

@@ -171,6 +171,9 @@ class PSTransport(Transport):
         # id(Traffic) -> (Traffic, layer name, [(header, count) of each chunk]): a 'sum'
         # pull's header NDArrays, read once wait() has seen the pull land
         self._headers = {}
+        # pskey -> (ChunkLayout, row_sparse NDArray): each 'slots' key's push array,
+        # written in place at every step (wire.push_slot's into)
+        self._slot_pushes = {}
         self.keys.check_servers_decode()
 
     # -- keys (kvstore.ps_keys) ----------------------------------------------------------
@@ -427,7 +430,11 @@ class PSTransport(Transport):
         pushes = []
         for c in chunks:
             a, b = codec.byte_span(c.layout.lo, c.layout.hi)
-            pushes.append(push_slot(c.layout, self.rank, data[a:b], payload.scalars))
+            layout, into = self._slot_pushes.get(c.pskey, (None, None))
+            push = push_slot(c.layout, self.rank, data[a:b], payload.scalars,
+                             into=into if layout == c.layout else None)
+            self._slot_pushes[c.pskey] = (c.layout, push[0])
+            pushes.append(push)
         return pushes
 
     @staticmethod

@@ -281,15 +281,26 @@ def empty_push(layout):
     return row_sparse_push(layout, np.zeros(layout.cols, np.float32), row_range(0, 1))
 
 
-def push_slot(layout, rank, data, scalars):
+def push_slot(layout, rank, data, scalars, into=None):
     """Worker ``rank``'s push of a 'slots' chunk: its slot (rows [rank * slot_rows,
     (rank + 1) * slot_rows)) holding the payload's header ``scalars``, then the chunk's
     bytes ``data`` (uint8 numpy, the codec's byte_span of the chunk) as
     ops.formats.pack_bytes writes them (ops.pack_bytes: in C, straight into the slot).
-    Read by :func:`slot_payload`."""
-    values = np.zeros(layout.slot_rows * layout.cols, np.float32)
+    Read by :func:`slot_payload`. Returns (row_sparse NDArray, bytes on the wire).
+
+    into: the array a previous push_slot of the same layout and rank returned, reused:
+    the slot is written in its memory (ops.host_view waits until the last push has
+    read it) instead of a new array made from numpy and copied twice (resnet50: 1.7 MB
+    of slots a step per worker, in 90 keys)."""
+    count = layout.slot_rows * layout.cols
+    values = None if into is None else ops.host_view(into, write=True, shape=(count,))
+    if values is None:
+        values = np.zeros(count, np.float32)
     values[:len(scalars)] = scalars
     ops.pack_bytes(data, out=values[len(scalars):])
+    nbytes = layout.slot_rows * (4 * layout.cols + ROW_ID_BYTES)
+    if into is not None:
+        return into, nbytes
     return row_sparse_push(layout, values, row_range(rank * layout.slot_rows, layout.slot_rows))
 
 

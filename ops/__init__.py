@@ -352,32 +352,45 @@ def pack_bytes(data, out=None):
     return out[:need]
 
 
-def host_view(array, write=False):
-    """A CPU NDArray's own memory as a numpy array of its shape and dtype, no copy; None
-    for an array elsewhere (a GPU's: the caller copies through the engine).
+class _HostMemory:
+    """Memory at an address as numpy sees it (__array_interface__), holding its owner
+    (an NDArray) alive as long as any array made from it."""
+    __slots__ = ("__array_interface__", "owner")
 
+    def __init__(self, address, shape, dtype, owner):
+        self.__array_interface__ = {"data": (address, False), "shape": tuple(shape),
+                                    "typestr": dtype.str, "version": 3}
+        self.owner = owner
+
+
+def host_view(array, write=False, shape=None):
+    """A CPU NDArray's own memory as a numpy array, no copy; None for an array elsewhere
+    (a GPU's: the caller copies through the engine).
+
+    A dense array: its elements, in its shape. A row_sparse array: its stored rows'
+    values, in ``shape`` (the caller made it, so knows how many rows it stores).
     Waits first for the engine's pending writes of the array (with ``write``, its reads
     too), so that this thread may read (write) the view at once. The view is valid until
     the next engine operation on the array is issued, and keeps the NDArray alive. It is
-    how the host-side functions below read a pulled buffer and write an aggregate without
-    asnumpy()'s copy and a fresh output (a worker's 2-bit decode wrote each of resnet50's
-    100 MB a step twice, the second time through newly faulted pages).
+    how the host-side functions below read a pulled buffer and write an aggregate or a
+    push without asnumpy()'s copy and a fresh array (a worker's 2-bit decode wrote each
+    of resnet50's 100 MB a step twice, the second time through newly faulted pages).
     """
     import ctypes
     from mxnet.base import _LIB, check_call
     if not array.context.device_type.startswith("cpu"):
         return None
-    if array.stype != "default":
-        raise TypeError("host_view: a dense NDArray is needed, got storage %r" % array.stype)
+    if array.stype == "default":
+        shape = array.shape
+    elif array.stype != "row_sparse" or shape is None:
+        raise TypeError("host_view: a dense NDArray, or a row_sparse one with the shape of "
+                        "its stored values, is needed; got storage %r" % array.stype)
     # (MXNet's Python API has no wait_to_write; its C API does)
     check_call((_LIB.MXNDArrayWaitToWrite if write else _LIB.MXNDArrayWaitToRead)(
         array.handle))
-    dtype = np.dtype(array.dtype)
     address = ctypes.c_void_p()
     check_call(_LIB.MXNDArrayGetData(array.handle, ctypes.byref(address)))
-    memory = (ctypes.c_char * (array.size * dtype.itemsize)).from_address(address.value)
-    memory.owner = array            # the NDArray lives as long as any view of it
-    return np.frombuffer(memory, dtype).reshape(array.shape)
+    return np.asarray(_HostMemory(address.value, shape, np.dtype(array.dtype), array))
 
 
 def decode_carried_2bit(slots, offset, size, out=None):
