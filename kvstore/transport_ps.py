@@ -17,6 +17,7 @@ from typing import List, Optional, Tuple
 import mxnet as mx
 import numpy as np
 
+from .. import ops
 from .compressors import Payload, make_compressors
 from .cost_model import LinkCosts
 from .ps_keys import Chunk, KeyTable, bucket_signature
@@ -24,7 +25,7 @@ from .transport import Traffic, Transport, wait_timed
 from .watchdog import StallWatchdog
 from .wire import (BIGARRAY_BOUND, DEFAULT_CHUNK_ELEMENTS, DEFAULT_SPLIT_MIN, ROW_ID_BYTES,
                    ChunkLayout, empty_push, gather_payloads, gathered_slots, push_slot, push_rows,
-                   summed_aggregate, agreed_header)
+                   summed_aggregate, agreed_header, flat as wire_flat)
 
 # The keys' sizes (tuning constants, not options: tests of the cutting set them lower).
 # The largest piece of a layer in one parameter-server key, in float32 elements.
@@ -317,7 +318,7 @@ class PSTransport(Transport):
         for c, (value, nbytes) in zip(r.chunks, pushes):
             self.kv.push(c.pskey, value)
             traffic.count(c.layout.server, pushed=nbytes, messages=1)
-        flat = r.out.reshape((-1,))
+        flat = wire_flat(r.out)
         for c in r.chunks:
             chunk = c.layout
             if chunk.kind == "dense":
@@ -336,7 +337,7 @@ class PSTransport(Transport):
         for m in b.members:
             self.watchdog.owe(b.pskey, routed[m.item].layer.plan.name, b.layout.server)
             traffic[m.item].pushed_at = now
-        outs = [routed[m.item].out.reshape((-1,)) for m in b.members]
+        outs = [wire_flat(routed[m.item].out) for m in b.members]
         if b.recv is None:      # a group of one: it pushes the layer's own array
             self.kv.push(b.pskey, b.send)
             self.kv.pull(b.pskey, out=outs[0])
@@ -355,25 +356,30 @@ class PSTransport(Transport):
         chunk, pskey = p.chunk.layout, p.chunk.pskey
         self.watchdog.waiting("layer %r (key %d, server %d)" % (p.name, pskey, chunk.server))
         clock = time.perf_counter()
-        rows = p.buf.data.reshape((-1,))                  # (pull_rows * cols,) row-major
         piece = p.flat[chunk.offset:chunk.offset + chunk.size]
-        if chunk.pull == "none":
-            piece[:] = rows[:chunk.size]
-        elif chunk.pull == "sum":
-            # decoded in MXNet's engine; the header is read after the wait
-            _, header, bad = summed_aggregate(chunk, rows[:chunk.pull_rows * chunk.cols],
-                                              out=piece)
-            self._headers.setdefault(id(p.traffic), (p.traffic, p.name, []))[2].append(
-                (header, bad))
-        elif chunk.kind == "slots":
+        if chunk.kind == "slots" and chunk.pull == "gather":
+            # read where the pull wrote them (a row_sparse array's .data is a copy);
             # decoded in rank order, as the server decodes a dense pull: bitwise equal
-            self._codecs[chunk.codec].decode_slots(gathered_slots(chunk, rows), chunk.size,
+            values = ops.host_view(p.buf, shape=(chunk.pull_rows * chunk.cols,))
+            if values is None:
+                values = wire_flat(p.buf.data)
+            self._codecs[chunk.codec].decode_slots(gathered_slots(chunk, values), chunk.size,
                                                    piece)
         else:
-            target = piece.reshape((chunk.rows_filters, chunk.cols))
-            mx.nd.zeros_like(target, out=target)
-            for payload in gather_payloads(chunk, rows):
-                self._codecs[payload.strategy].decode(payload, target, accumulate=True)
+            rows = wire_flat(p.buf.data)                   # (pull_rows * cols,) row-major
+            if chunk.pull == "none":
+                piece[:] = rows[:chunk.size]
+            elif chunk.pull == "sum":
+                # decoded in MXNet's engine; the header is read after the wait
+                _, header, bad = summed_aggregate(chunk, rows[:chunk.pull_rows * chunk.cols],
+                                                  out=piece)
+                self._headers.setdefault(id(p.traffic), (p.traffic, p.name, []))[2].append(
+                    (header, bad))
+            else:
+                target = piece.reshape((chunk.rows_filters, chunk.cols))
+                mx.nd.zeros_like(target, out=target)
+                for payload in gather_payloads(chunk, rows):
+                    self._codecs[payload.strategy].decode(payload, target, accumulate=True)
         # the decode runs on in MXNet's engine: wait() adds it to the same layer's pull_s
         p.traffic.pull_s += time.perf_counter() - clock
         self.watchdog.settled(pskey)
@@ -402,13 +408,13 @@ class PSTransport(Transport):
             r = routed[items[0]]
             c = self.keys.chunks[r.layer.key][0]
             return Bucket(c.pskey, c.layout, (BucketMember(items[0], 0, r.layer.plan.size),),
-                          r.payload.arrays[0].reshape((-1,)), None)
+                          wire_flat(r.payload.arrays[0]), None)
         key = self.keys.bucket_keys[bucket_signature(group)]
         placed, offset = [], 0
         for i, layer in zip(items, group):
             placed.append(BucketMember(i, offset, layer.plan.size))
             offset += layer.plan.size
-        send = mx.nd.concat(*[routed[i].payload.arrays[0].reshape((-1,)) for i in items],
+        send = mx.nd.concat(*[wire_flat(routed[i].payload.arrays[0]) for i in items],
                             dim=0)
         return Bucket(key.pskey, key.layout, tuple(placed), send, key.recv)
 
@@ -416,7 +422,7 @@ class PSTransport(Transport):
         """Per Chunk: (value to push, bytes on the wire), in kvstore.wire's layouts."""
         codec = self._codecs[payload.strategy]
         if codec.wire == "dense":
-            flat = payload.arrays[0].reshape((-1,))
+            flat = wire_flat(payload.arrays[0])
             return [(flat[c.layout.lo:c.layout.hi], 4 * c.layout.size) for c in chunks]
         if codec.wire == "rows":
             indices, values = payload.arrays

@@ -45,12 +45,14 @@ servers' sum and by :func:`slot_payload`), pulls (``gather_values`` /
 collectives that gather without summing (``payload_blob`` / ``blob_payloads``:
 kvstore.transport_horovod); the transports and the servers only move them.
 """
+import ctypes
 import dataclasses
 import functools
 from dataclasses import dataclass
 
 import mxnet as mx
 import numpy as np
+from mxnet.base import _LIB, NDArrayHandle, c_array, check_call
 
 from .compressors import CODEC_NAMES, Payload, make_compressors
 from .. import ops
@@ -246,6 +248,19 @@ def _with_pull(chunk, pull, gather_k=0):
         return dataclasses.replace(
             compressed, rows=max(compressed.slots * compressed.slot_rows, compressed.pull_rows))
     return compressed
+
+
+def flat(array):
+    """A dense NDArray as 1-D: a view of the same memory, as array.reshape((-1,)), made
+    without NDArray.reshape's Python checks (two np.prod each, 72 us against 8: a worker
+    flattens about 380 arrays a step of resnet50's exchange)."""
+    handle = NDArrayHandle()
+    check_call(_LIB.MXNDArrayReshape64(array.handle, 1, _MINUS_ONE, False,
+                                       ctypes.byref(handle)))
+    return mx.nd.NDArray(handle=handle, writable=array.writable)
+
+
+_MINUS_ONE = c_array(ctypes.c_int64, [-1])
 
 
 # -- pushes: what one worker puts in a key; the servers' sum is their first reader ----
