@@ -8,7 +8,7 @@ import pytest
 from mxhylo import ops
 from mxhylo.kvstore.codec import Payload
 from mxhylo.kvstore.compressors import make_compressors
-from mxhylo.kvstore.wire import (ROW_ID_BYTES, empty_push, plan_chunks, push_slot,
+from mxhylo.kvstore.wire import (ROW_ID_BYTES, empty_push, flat, plan_chunks, push_slot,
                                  push_rows, slot_payload)
 
 
@@ -304,3 +304,33 @@ def test_2bit_gather_decodes_in_one_pass_as_payload_by_payload(workers):
     altered[0, 0] = -1.0
     with pytest.raises(ValueError, match="row 0 was sent with value -1"):
         codec.decode_slots(altered, n, fused)
+
+
+def test_a_reused_slot_push_carries_the_new_payload_once_the_last_one_was_read():
+    """push_slot(into=) writes the slot in the array of an earlier push (a transport
+    reuses one per key): after the servers' sum has read the first push, the array
+    carries the second payload, bitwise the array a fresh push_slot makes."""
+    (c,) = plan_chunks("fc_2bit", (3000,), 3, 1, 1 << 20)
+    rng = np.random.RandomState(1)
+    first, second = (rng.randint(-2 ** 31, 2 ** 31, size=188).astype(np.int32)
+                     for _ in range(2))
+    reused, _ = push_slot(c, 1, first.view(np.uint8), (0.5,))
+    before = _server_sum([reused, push_slot(c, 0, second.view(np.uint8), (2.0,))[0]])
+    again, nbytes = push_slot(c, 1, second.view(np.uint8), (0.25,), into=reused)
+    fresh, fresh_nbytes = push_slot(c, 1, second.view(np.uint8), (0.25,))
+    assert again is reused and nbytes == fresh_nbytes
+    np.testing.assert_array_equal(again.asnumpy().view(np.uint32),
+                                  fresh.asnumpy().view(np.uint32))
+    mine = before.asnumpy()[c.slot_rows:2 * c.slot_rows].reshape(-1)
+    assert slot_payload(c, mine).scalars == (0.5,)      # the sum read the first payload
+
+
+def test_flat_is_a_one_dimensional_view_of_the_same_memory():
+    """wire.flat(a) is a.reshape((-1,)): same values, and a write through it is a's."""
+    a = mx.nd.array(np.arange(24, dtype=np.float32).reshape(2, 3, 4))
+    f = flat(a)
+    assert f.shape == (24,)
+    np.testing.assert_array_equal(f.asnumpy(), np.arange(24))
+    f[5:7] = -1
+    assert a.asnumpy()[0, 1, 1] == -1 and a.asnumpy()[0, 1, 2] == -1
+    np.testing.assert_array_equal(flat(a[1]).asnumpy(), np.arange(12, 24))
