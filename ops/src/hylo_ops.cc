@@ -557,16 +557,28 @@ MXReturnValue stats_forward(const Attrs&, std::vector<MXTensor>* in,
 // out[i] =, += or -= {0, +t, -t, 0}[code], t the value quantize sent; code 3
 // is never produced and decodes to 0 (kMode: 0 write, 1 add, 2 subtract; the
 // subtraction is a quantize's owed r - q, bit for bit, -0 - (+0) = -0 included).
+// A whole word is kV vectors of kW lanes: lane l of vector v shifts the word by
+// 2 (kW v + l) (an arithmetic shift: the & 3 keeps the same two bits), and the
+// code's sign (c & 1) - (c >> 1) converts exactly, so each element is the
+// scalar loop's o +- float(sign) * t bit for bit. GCC left that scalar loop
+// unvectorized for AVX2: this form measured 0.6 -> 0.13 ns an element (native
+// AVX-512) and 2.2 -> 0.2-0.36 (AVX2) on a 3840-element block in L1.
 template <int kMode>
 void dequantize_all(const uint32_t* codes, float* out, int64_t n, float t) {
   const int64_t full = n / 16;
+  vi shift[kV];
+  for (int v = 0; v < kV; ++v)
+    for (int l = 0; l < kW; ++l) shift[v][l] = 2 * (kW * v + l);
+  const vf tv = vf{} + t;
   for (int64_t w = 0; w < full; ++w) {
-    const uint32_t word = codes[w];
+    const vi word = vi{} + static_cast<int32_t>(codes[w]);
     float* o = out + w * 16;
-    for (int j = 0; j < 16; ++j) {
-      const uint32_t c = (word >> (2 * j)) & 3u;
-      const float v = static_cast<float>(static_cast<int>(c & 1u) - static_cast<int>(c >> 1)) * t;
-      o[j] = kMode == 1 ? o[j] + v : kMode == 2 ? o[j] - v : v;
+    for (int v = 0; v < kV; ++v) {
+      const vi c = (word >> shift[v]) & 3;
+      const vf x = __builtin_convertvector((c & 1) - (c >> 1), vf) * tv;
+      vf ov = loadv(o + kW * v);
+      ov = kMode == 1 ? ov + x : kMode == 2 ? ov - x : x;
+      std::memcpy(o + kW * v, &ov, sizeof(ov));
     }
   }
   if (full * 16 < n) {

@@ -1088,7 +1088,7 @@ def test_native_build_matches_numpy(isa_outputs):
                                           err_msg=name)
             assert out[name + "/cut"][0] == cut.asscalar(), name
             want = mx.nd.array(y)               # settled by the owed codes, then bounded
-            ops.reference.settle_2bit(mx.nd.array(owed_codes(y)), 0.3, want)
+            ops.reference.settle_2bit(mx.nd.array(owed_codes(y), dtype=np.int32), 0.3, want)
             cut = ops.reference.bound_rows(want, mx.nd.array(x, dtype=x.dtype), p)
             np.testing.assert_array_equal(bits(out[name + "/owed_residual"]),
                                           bits(want.asnumpy()), err_msg=name)
