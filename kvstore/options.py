@@ -11,9 +11,12 @@ import numpy as np
 
 from .policy import DEFAULT_SIZE_THRESHOLD, compress_pull_mode
 
-# dense steps first: enough for the route trial to time the servers' route (its first
-# kvstore.route.SKIPPED_STEPS untimed); the 2-bit codec itself needs none
-DEFAULT_WARMUP_STEPS = 10
+# dense steps first. The accuracy study (docs/BENCHMARKS.md, cosine schedule, 4
+# workers, 3 seeds, the same dense runs) met its bar in 4 of the 10 cells at lr 0.05
+# and 0.1 with 10 warm-up steps, in 9 of them with 30: the first epochs after the lr's
+# ramp move fastest, where error feedback's delay costs the most. The route trial times
+# the servers' route on these steps (its first kvstore.route.SKIPPED_STEPS untimed).
+DEFAULT_WARMUP_STEPS = 30
 
 # options no longer offered -> what to do instead (the error a user gets)
 REMOVED_OPTIONS = {
@@ -51,10 +54,9 @@ TABLE = (
     ("compress_pull", "'auto'", "'auto'/True: the workers' payloads gathered (exact; "
      "from 16 workers, shared_2bit's integer sums); False: the dense aggregate",
      "rarely: False for Hylo's dense pull as published"),
-    ("warmup_steps", "10", "a compressed layer's first exchanges travel dense (on the "
+    ("warmup_steps", "30", "a compressed layer's first exchanges travel dense (on the "
      "servers' route, which server_update='auto' times on them)", "0 to compress from "
-     "the first step (no route trial); 30 or more with conv_rate (top-k filters need "
-     "a warm-up)"),
+     "the first step (no route trial); more for a high learning rate early on"),
     ("momentum_correction", "'auto'", "with MXNet's SGD and momentum, compress the "
      "velocity and correct the aggregate (DGC)", "False for plain error feedback"),
     ("cost_model", "'auto'", "measure the network and codecs at start-up, plan by "
