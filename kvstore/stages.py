@@ -94,11 +94,8 @@ class BoundedResidual:
     def encode(self, layer, grad, step):
         payload = self.inner.encode(layer, grad, step)
         plan = layer.plan
-        # what a deferred 2-bit encode left owed is paid in the bounding pass
-        residual, owed = step.memory.residual_owing(plan.name, grad)
-        ops.bound_rows(residual, grad, ROW_BOUND * mean_wait(plan),
-                       pending=None if owed is None else (owed.codes, owed.value))
-        step.memory.set_owed(plan.name, None)
+        ops.bound_rows(step.memory.residual(plan.name, grad), grad,
+                       ROW_BOUND * mean_wait(plan))
         return payload
 
     def finish(self, layer, aggregate, step):

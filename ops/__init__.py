@@ -263,7 +263,7 @@ def momentum_correct(aggregate, previous, factor):
     return reference._momentum_correct(aggregate, previous, float(f))
 
 
-def bound_rows(residual, grad, bound, pending=None):
+def bound_rows(residual, grad, bound):
     """Cut each row of a residual to a bound set by the step's input, in place.
 
     residual: float32 (O, ...) (a 1-D array is one row), UPDATED IN PLACE: each row
@@ -273,23 +273,12 @@ def bound_rows(residual, grad, bound, pending=None):
     ``bound`` rounded to float32; a row whose grad row is zero is emptied, a row
     holding a NaN is left as it is. grad: float32|float16, the same shape (read
     only). Returns a (1,) float32 NDArray: the number of rows cut.
-    pending: None, or (codes, value) that a quantize_2bit(..., defer=True) left owed on
-    the residual: settled first (settle_2bit's arithmetic), row by row in the same
-    pass, so the result is bitwise settle_2bit then bound_rows, in one pass over the
-    residual instead of two.
     """
     b, text = _checks.finite32(bound, "bound", "bound_rows")
     if b < 0:
         raise ValueError("bound_rows: bound must be >= 0, got %r" % (bound,))
     _checks.grad_residual(grad, residual, "bound_rows")
-    if pending is not None:
-        codes, value = pending
-        t, value_text = _checks.threshold32(value, "bound_rows", what="pending value")
-        _checks.codes(codes, residual.size, "bound_rows")
-        if _use_cpp(residual):
-            return _cpp.bound_rows(residual, grad, text, codes, value_text)
-        reference._settle_2bit(codes, float(t), residual)
-    elif _use_cpp(residual):
+    if _use_cpp(residual):
         return _cpp.bound_rows(residual, grad, text)
     return reference._bound_rows(residual, grad, float(b))
 

@@ -69,11 +69,9 @@ def momentum_correct(aggregate, previous, factor_text):
     return mx.nd.hylo_momentum_correct(aggregate, previous, factor=factor_text, out=aggregate)
 
 
-def bound_rows(residual, grad, bound_text, codes=None, value_text=None):
+def bound_rows(residual, grad, bound_text):
     # in place: MXNet hands `residual` to the op as a mutated input
-    if codes is None:
-        return mx.nd.hylo_bound_rows(residual, grad, bound=bound_text)
-    return mx.nd.hylo_bound_rows(residual, grad, codes, bound=bound_text, value=value_text)
+    return mx.nd.hylo_bound_rows(residual, grad, bound=bound_text)
 
 
 def sum_2bit(codes, size):

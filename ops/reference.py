@@ -270,14 +270,10 @@ def _momentum_correct(aggregate, previous, f):
     return aggregate
 
 
-def bound_rows(residual, grad, bound, pending=None):
+def bound_rows(residual, grad, bound):
     """See mxhylo.ops.bound_rows."""
     b, _ = _checks.finite32(bound, "bound", "bound_rows")
     _checks.grad_residual(grad, residual, "bound_rows")
-    if pending is not None:
-        t, _ = _checks.threshold32(pending[1], "bound_rows", what="pending value")
-        _checks.codes(pending[0], residual.size, "bound_rows")
-        _settle_2bit(pending[0], float(t), residual)
     return _bound_rows(residual, grad, float(b))
 
 

@@ -1199,29 +1199,13 @@ inline void add_squares(const float* x, int64_t len, int64_t first, double* acc)
   }
 }
 
-// r[i] - decoded(i) for lo <= i < hi: settle_all's arithmetic on a range (a row of
-// bound_rows_all, settled in the pass that bounds it), whole code words from the
-// first one the range starts.
-void settle_range(const uint32_t* codes, float* r, int64_t lo, int64_t hi, float t) {
-  int64_t i = lo;
-  for (; i < hi && (i & 15); ++i) {
-    const uint32_t c = (codes[i >> 4] >> (2 * (i & 15))) & 3u;
-    r[i] = r[i] - static_cast<float>(static_cast<int>(c & 1u) - static_cast<int>(c >> 1)) * t;
-  }
-  if (i < hi) dequantize_all<2>(codes + (i >> 4), r + i, hi - i, t);
-}
-
-// codes: a deferred quantize's, paid row by row before the row is bounded (nullptr:
-// nothing owed); value: their value.
 template <typename T>
-int64_t bound_rows_all(float* r, const T* u, int64_t rows, int64_t width, double bound,
-                       const uint32_t* codes, float value) {
+int64_t bound_rows_all(float* r, const T* u, int64_t rows, int64_t width, double bound) {
   float buf[kChunk];
   int64_t cut = 0;
   for (int64_t i = 0; i < rows; ++i) {
     float* ri = r + i * width;
     const T* ui = u + i * width;
-    if (codes) settle_range(codes, r, i * width, (i + 1) * width, value);
     double ar[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
     double au[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
     add_squares(ri, width, 0, ar);
@@ -1240,51 +1224,39 @@ int64_t bound_rows_all(float* r, const T* u, int64_t rows, int64_t width, double
   return cut;
 }
 
-// With attribute 'value', a third input: the int32 codes a deferred quantize left
-// owed on the residual, settled row by row in the bounding pass.
-bool bound_owed(const Attrs& attrs) { return attrs.find("value") != attrs.end(); }
-
 MXReturnValue bound_parse(const Attrs& attrs, int* nin, int* nout) {
-  float b, v;
+  float b;
   if (!parse_float(attrs, "bound", false, &b)) return MX_FAIL;
-  if (bound_owed(attrs) && !parse_value(attrs, &v)) return MX_FAIL;
-  *nin = bound_owed(attrs) ? 3 : 2;
+  *nin = 2;
   *nout = 1;
   return MX_SUCCESS;
 }
 
 MXReturnValue bound_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
-  if (in->size() < 2 || in->size() > 3 || (*in)[0] != kFloat32 ||
-      ((*in)[1] != kFloat32 && (*in)[1] != kFloat16) ||
-      (in->size() == 3 && (*in)[2] != kInt32)) {
-    MX_ERROR_MSG << "hylo_bound_rows: residual must be float32, input float32 or "
-                    "float16, owed codes int32";
+  if (in->size() != 2 || (*in)[0] != kFloat32 ||
+      ((*in)[1] != kFloat32 && (*in)[1] != kFloat16)) {
+    MX_ERROR_MSG << "hylo_bound_rows: residual must be float32, input float32 or float16";
     return MX_FAIL;
   }
   (*out)[0] = kFloat32;
   return MX_SUCCESS;
 }
 
-MXReturnValue bound_shape(const Attrs& attrs, std::vector<std::vector<unsigned int> >* in,
+MXReturnValue bound_shape(const Attrs&, std::vector<std::vector<unsigned int> >* in,
                           std::vector<std::vector<unsigned int> >* out) {
-  if (!expect_inputs(*in, bound_owed(attrs) ? 3 : 2, "hylo_bound_rows")) return MX_FAIL;
+  if (!expect_inputs(*in, 2, "hylo_bound_rows")) return MX_FAIL;
   if ((*in)[0] != (*in)[1]) {
     MX_ERROR_MSG << "hylo_bound_rows: residual and input shapes differ";
     return MX_FAIL;
   }
-  if (bound_owed(attrs) &&
-      !check_codes((*in)[2], shape_size((*in)[0]), "hylo_bound_rows"))
-    return MX_FAIL;
   (*out)[0] = std::vector<unsigned int>{1};
   return MX_SUCCESS;
 }
 
 MXReturnValue bound_forward(const Attrs& attrs, std::vector<MXTensor>* in,
                             std::vector<MXTensor>* out, const OpResource&) {
-  float b, v = 0.f;
+  float b;
   if (!parse_float(attrs, "bound", false, &b)) return MX_FAIL;
-  if (bound_owed(attrs) && !parse_value(attrs, &v)) return MX_FAIL;
-  const uint32_t* codes = bound_owed(attrs) ? (*in)[2].data<uint32_t>() : nullptr;
   MXTensor& r = (*in)[0];
   MXTensor& u = (*in)[1];
   const int64_t n = r.size();
@@ -1292,11 +1264,9 @@ MXReturnValue bound_forward(const Attrs& attrs, std::vector<MXTensor>* in,
   const int64_t width = rows ? n / rows : 0;
   int64_t cut;
   if (u.dtype == kFloat16)
-    cut = bound_rows_all<uint16_t>(r.data<float>(), u.data<uint16_t>(), rows, width, b,
-                                   codes, v);
+    cut = bound_rows_all<uint16_t>(r.data<float>(), u.data<uint16_t>(), rows, width, b);
   else
-    cut = bound_rows_all<float>(r.data<float>(), u.data<float>(), rows, width, b, codes,
-                                v);
+    cut = bound_rows_all<float>(r.data<float>(), u.data<float>(), rows, width, b);
   (*out)[0].data<float>()[0] = static_cast<float>(cut);
   return MX_SUCCESS;
 }

@@ -100,32 +100,6 @@ def test_bound_rows_operator_equals_its_reference_bitwise(dtype):
         ops.bound_rows(mx.nd.zeros((2, 2)), mx.nd.zeros((2, 2)), -1.0)
 
 
-@pytest.mark.parametrize("impl", [ops, ops.reference], ids=["dispatch", "reference"])
-def test_bound_rows_pays_a_deferred_quantize_as_settle_then_bound(impl):
-    """bound_rows(pending=(codes, value)) is bitwise settle_2bit then bound_rows: the
-    row-by-row settle gives the same residual on rows that start inside a code word
-    (widths 27, 33, 1) as on the whole array, and the owed codes are the deferred
-    quantize's own."""
-    rng = np.random.RandomState(7)
-    for shape in [(6, 3, 3, 3), (5, 33), (4, 16), (1, 40), (37,), (9, 1)]:
-        grad = rng.standard_normal(shape).astype(np.float32)
-        start = rng.standard_normal(shape).astype(np.float32) * 3
-        fused, twice = mx.nd.array(start), mx.nd.array(start)
-        codes, stats = ops.quantize_2bit(mx.nd.array(grad), fused, 0.5, defer=True)
-        ops.quantize_2bit(mx.nd.array(grad), twice, 0.5, defer=True)
-        value = float(stats.asnumpy()[2])
-        cut_fused = impl.bound_rows(fused, mx.nd.array(grad), 0.7, pending=(codes, value))
-        ops.settle_2bit(codes, value, twice)
-        cut_twice = ops.bound_rows(twice, mx.nd.array(grad), 0.7)
-        np.testing.assert_array_equal(fused.asnumpy().view(np.uint32),
-                                      twice.asnumpy().view(np.uint32))
-        assert cut_fused.asscalar() == cut_twice.asscalar()
-        assert cut_twice.asscalar() > 0 or len(shape) == 1     # the bound did cut rows
-    with pytest.raises(ValueError, match="codes must have shape"):
-        impl.bound_rows(mx.nd.zeros((4, 8)), mx.nd.zeros((4, 8)), 1.0,
-                        pending=(mx.nd.zeros((3,), dtype=np.int32), 0.5))
-
-
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "lars"])
 def test_every_compressed_layer_is_bounded_every_step_under_each_optimizer(monkeypatch,
                                                                            optimizer):
@@ -138,8 +112,8 @@ def test_every_compressed_layer_is_bounded_every_step_under_each_optimizer(monke
     seen = []
     real = ops.bound_rows
 
-    def bound_rows(residual, grad, bound, pending=None):
-        cut = real(residual, grad, bound, pending=pending)
+    def bound_rows(residual, grad, bound):
+        cut = real(residual, grad, bound)
         seen.append((grad.shape, _row_norms(residual.asnumpy()), _row_norms(grad.asnumpy())))
         return cut
     monkeypatch.setattr(ops, "bound_rows", bound_rows)

@@ -908,12 +908,6 @@ def isa_inputs():
     return cases
 
 
-def owed_codes(y):
-    """int32 code words for y's elements, of every 2-bit pattern (y's own bits): what a
-    deferred quantize may leave owed on residual y."""
-    return np.ascontiguousarray(y.reshape(-1).view(np.int32)[:-(-y.size // 16)])
-
-
 def worker_value(p, w):
     """The value worker w's 2-bit codes were sent with, in the gathered-pull cases: a
     different float32 per worker, so that the order of the adds shows in the bits."""
@@ -969,10 +963,6 @@ def isa_child(path):
             res = nd(y)
             out[name + "/cut"] = ops.bound_rows(res, nd(x), p).asnumpy()
             out[name + "/residual"] = res.asnumpy()
-            res = nd(y)
-            out[name + "/owed_cut"] = ops.bound_rows(res, nd(x), p, pending=(
-                nd(owed_codes(y)), 0.3)).asnumpy()
-            out[name + "/owed_residual"] = res.asnumpy()
         elif op == "momentum":
             out[name + "/velocity"] = canon(ops.momentum_velocity(nd(x), nd(y), p).asnumpy())
             agg, prev = nd(y), nd(x.astype(F32))
@@ -1087,12 +1077,6 @@ def test_native_build_matches_numpy(isa_outputs):
             np.testing.assert_array_equal(bits(out[name + "/residual"]), bits(want.asnumpy()),
                                           err_msg=name)
             assert out[name + "/cut"][0] == cut.asscalar(), name
-            want = mx.nd.array(y)               # settled by the owed codes, then bounded
-            ops.reference.settle_2bit(mx.nd.array(owed_codes(y), dtype=np.int32), 0.3, want)
-            cut = ops.reference.bound_rows(want, mx.nd.array(x, dtype=x.dtype), p)
-            np.testing.assert_array_equal(bits(out[name + "/owed_residual"]),
-                                          bits(want.asnumpy()), err_msg=name)
-            assert out[name + "/owed_cut"][0] == cut.asscalar(), name
         elif op == "momentum":
             np.testing.assert_array_equal(out[name + "/velocity"],
                                           canon(np_velocity(x, y, p)), err_msg=name)
