@@ -317,7 +317,8 @@ class ServerRoute:
         if boxes is None or not boxes.registered:
             return got
         mine = {server: boxes.mailboxes[server][self._keys.rank] for server in got}
-        window = self._keys.layouts[mine[0]][1].size
+        # (every mailbox has the same window; a route may hold no key on server 0)
+        window = self._keys.layouts[next(iter(mine.values()))][1].size
         outs = {server: mx.nd.zeros((window,)) for server in got}
         for offset in range(0, max(v.size for v in got.values()), window):
             fills = {mine[s]: offset for s, v in got.items() if offset < v.size}
