@@ -309,8 +309,8 @@ def push_slot(layout, rank, data, scalars, into=None):
     of slots a step per worker, in 90 keys)."""
     count = layout.slot_rows * layout.cols
     values = None if into is None else ops.host_view(into, write=True, shape=(count,))
-    if values is None:
-        values = np.zeros(count, np.float32)
+    if values is None:              # (nothing to reuse, or no host memory: a new array)
+        into, values = None, np.zeros(count, np.float32)
     values[:len(scalars)] = scalars
     ops.pack_bytes(data, out=values[len(scalars):])
     nbytes = layout.slot_rows * (4 * layout.cols + ROW_ID_BYTES)

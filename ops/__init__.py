@@ -33,7 +33,8 @@ from . import _checks, _cpp, build, formats, reference
 __all__ = ["backend", "quantize_2bit", "settle_2bit", "l1_stats", "dequantize_2bit",
            "select_kernels", "scatter_kernels", "momentum_velocity", "momentum_correct",
            "bound_rows", "sum_2bit", "decode_sums", "unpack_bytes", "pack_bytes",
-           "decode_carried_2bit", "sum_carried_2bit", "host_view", "set_num_threads", "formats", "reference", "build"]
+           "decode_carried_2bit", "sum_carried_2bit", "host_view", "set_num_threads",
+           "formats", "reference", "build"]
 
 _lock = threading.Lock()
 _backend = []  # [name] once resolved
