@@ -357,24 +357,24 @@ class PSTransport(Transport):
         self.watchdog.waiting("layer %r (key %d, server %d)" % (p.name, pskey, chunk.server))
         clock = time.perf_counter()
         piece = p.flat[chunk.offset:chunk.offset + chunk.size]
-        if chunk.kind == "slots" and chunk.pull == "gather":
-            # read where the pull wrote them (a row_sparse array's .data is a copy);
-            # decoded in rank order, as the server decodes a dense pull: bitwise equal
+        if chunk.kind == "slots" and chunk.pull != "none":
+            # read where the pull wrote them (a row_sparse array's .data is a copy)
             values = ops.host_view(p.buf, shape=(chunk.pull_rows * chunk.cols,))
             if values is None:
                 values = wire_flat(p.buf.data)
-            self._codecs[chunk.codec].decode_slots(gathered_slots(chunk, values), chunk.size,
-                                                   piece)
+            if chunk.pull == "gather":
+                # decoded in rank order, as the server decodes a dense pull: bitwise equal
+                self._codecs[chunk.codec].decode_slots(gathered_slots(chunk, values),
+                                                       chunk.size, piece)
+            else:
+                # 'sum': the header is read once every pull has landed (wait)
+                _, header, bad = summed_aggregate(chunk, values, out=piece)
+                self._headers.setdefault(id(p.traffic), (p.traffic, p.name, []))[2].append(
+                    (header, bad))
         else:
             rows = wire_flat(p.buf.data)                   # (pull_rows * cols,) row-major
             if chunk.pull == "none":
                 piece[:] = rows[:chunk.size]
-            elif chunk.pull == "sum":
-                # decoded in MXNet's engine; the header is read after the wait
-                _, header, bad = summed_aggregate(chunk, rows[:chunk.pull_rows * chunk.cols],
-                                                  out=piece)
-                self._headers.setdefault(id(p.traffic), (p.traffic, p.name, []))[2].append(
-                    (header, bad))
             else:
                 target = piece.reshape((chunk.rows_filters, chunk.cols))
                 mx.nd.zeros_like(target, out=target)

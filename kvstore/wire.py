@@ -416,12 +416,17 @@ def decode_sums(header, packed, shape, num_workers, out=None):
 
 def sum_values(layout, received):
     """The server's side of a 'sum' pull: the summed pushes (row_sparse NDArray of the
-    key: every worker's slot) -> what the workers pull (float32 numpy (pull_rows *
-    cols,), see the module docstring). Read by :func:`summed_aggregate`. ValueError
-    naming the worker whose slot holds a value pack_bytes never writes, or if the
-    shared values differ."""
+    key, whose rows the server checked are every worker's whole slot in order) -> what
+    the workers pull (float32 numpy (pull_rows * cols,), see the module docstring).
+    Read by :func:`summed_aggregate`. ValueError naming the worker whose slot holds a
+    value pack_bytes never writes, or if the shared values differ."""
     n = _CODECS[layout.codec].scalars
-    slots = received.data.asnumpy().reshape(layout.slots, layout.slot_rows * layout.cols)
+    # every worker pushed all rows of its slot: the sum stores rows 0 .. W*slot_rows-1,
+    # read in place (a row_sparse array's .data is a copy)
+    slots = ops.host_view(received, shape=(layout.slots * layout.slot_rows, layout.cols))
+    if slots is None:
+        slots = received.data.asnumpy()
+    slots = slots.reshape(layout.slots, layout.slot_rows * layout.cols)
     header = sum_headers([tuple(float(v) for v in row[:n]) for row in slots])
     # every worker's code bytes unpacked, summed and packed in one C++ pass
     carried, bad = ops.sum_carried_2bit(slots, n, layout.size)
@@ -436,14 +441,27 @@ def sum_values(layout, received):
 
 
 def summed_aggregate(layout, values, out=None):
-    """The workers' side of a 'sum' pull: pulled float32 values (NDArray (pull_rows *
-    cols,)) -> (the aggregate, float32 NDArray (size,), written into ``out`` if given;
-    the header, float32 NDArray (scalars,), v first; float32 NDArray (1,): how many
-    pulled values pack_bytes never writes, which must be 0). Nothing waits here: the
-    operators run in MXNet's engine once the pull has landed; a caller reads the
-    header and the count after the pull (:func:`agreed_header`)."""
+    """The workers' side of a 'sum' pull: pulled float32 values (pull_rows * cols,) ->
+    (the aggregate, float32 NDArray (size,), written into ``out`` if given; the header,
+    v first, (scalars,); how many pulled values pack_bytes never writes, which must be
+    0). Read the header and the count with :func:`agreed_header`.
+
+    Values in host memory (numpy, a host_view of the pull) are decoded on the calling
+    thread in one pass (ops.decode_carried_sums; header numpy, count int). An NDArray's
+    are decoded by operators in MXNet's engine once the pull has landed: nothing waits
+    here (header and count NDArrays)."""
     n = _CODECS[layout.codec].scalars
     nbytes = packed_nbytes(layout.size, layout.slots)
+    if isinstance(values, np.ndarray):
+        if out is None:
+            out = mx.nd.zeros((layout.size,), dtype=np.float32)
+        header = np.array(values[:n], np.float32)
+        view = ops.host_view(out, write=True)
+        decoded, bad = ops.decode_carried_sums(values[n:], header[0], layout.size,
+                                               layout.slots, out=view)
+        if view is None:                        # a GPU's array: one copy through MXNet
+            out[:] = decoded
+        return out, header, bad
     header = values[:n]
     packed, bad = ops.unpack_bytes(values[n:n + carrier_values(nbytes)], nbytes)
     aggregate = ops.decode_sums(packed, header, (layout.size,), layout.slots, out=out)
@@ -454,11 +472,12 @@ def agreed_header(name, header, bad):
     """summed_aggregate's header and count, read once the pull has landed -> the header
     as a tuple of floats. ValueError naming layer ``name`` if a pulled value was not
     one pack_bytes writes (its aggregate would be garbage)."""
-    bad = float(bad.asscalar())
+    if isinstance(bad, mx.nd.NDArray):
+        header, bad = header.asnumpy(), bad.asscalar()
     if bad:
         raise ValueError("layer %r: %d pulled values of its 'sum' pull are not ones "
                          "pack_bytes writes: the pull was altered on the way" % (name, bad))
-    return tuple(float(v) for v in header.asnumpy())
+    return tuple(float(v) for v in header)
 
 
 def gathered_slots(layout, values):

@@ -33,8 +33,8 @@ from . import _checks, _cpp, build, formats, reference
 __all__ = ["backend", "quantize_2bit", "settle_2bit", "l1_stats", "dequantize_2bit",
            "select_kernels", "scatter_kernels", "momentum_velocity", "momentum_correct",
            "bound_rows", "sum_2bit", "decode_sums", "unpack_bytes", "pack_bytes",
-           "decode_carried_2bit", "sum_carried_2bit", "host_view", "set_num_threads",
-           "formats", "reference", "build"]
+           "decode_carried_2bit", "decode_carried_sums", "sum_carried_2bit", "host_view",
+           "set_num_threads", "formats", "reference", "build"]
 
 _lock = threading.Lock()
 _backend = []  # [name] once resolved
@@ -444,6 +444,52 @@ def decode_carried_2bit(slots, offset, size, out=None):
             total += formats.unpack_codes(words, size).astype(np.float32) * value[w]
         return total, bad
     build.decode_carried_2bit(slots, offset, value, size, out, bad)
+    return out, bad
+
+
+def decode_carried_sums(values, scale, size, num_workers, out=None):
+    """The workers' side of a 'sum' pull, on host (numpy) arrays, on the calling thread:
+    what unpack_bytes then decode_sums compose to, bitwise, in one pass.
+
+    values: float32 numpy (m,), the packed sums of ``size`` elements for
+    ``num_workers`` workers (formats.packed_nbytes bytes) in float32 carriers
+    (formats.pack_bytes) from values[0] on, as mxhylo.kvstore.wire.sum_values writes
+    them after the header. scale: v, the shared value.
+    Returns (float32 numpy (size,): float32(s_i) * v, one rounding, NaN for a group no
+    sum_2bit writes, written into ``out`` if given (contiguous writable float32 numpy
+    (size,), for example a host_view); int: the carrier values no pack_bytes writes, which
+    must be 0: the sums are garbage otherwise).
+    """
+    values = np.ascontiguousarray(values, np.float32)
+    size = _checks.positive_int(size, "size", "decode_carried_sums")
+    workers = int(num_workers)
+    if not 1 <= workers <= formats.MAX_WORKERS:
+        raise ValueError("decode_carried_sums: num_workers must be in [1, %d], got %r"
+                         % (formats.MAX_WORKERS, num_workers))
+    nbytes = formats.packed_nbytes(size, workers)
+    if values.ndim != 1 or len(values) < formats.carrier_values(nbytes):
+        raise ValueError("decode_carried_sums: %d values carry the sums of %d elements of %d "
+                         "workers; got shape %s" % (formats.carrier_values(nbytes), size,
+                                                    workers, values.shape))
+    if out is None:
+        out = np.empty(size, np.float32)
+    if out.dtype != np.float32 or out.shape != (size,) or not out.flags.c_contiguous \
+            or not out.flags.writeable:
+        raise ValueError("decode_carried_sums: out must be writable contiguous float32 "
+                         "(%d,), got %s %s" % (size, out.dtype, out.shape))
+    v = np.float32(scale)
+    if backend() == "cpp":
+        return out, build.decode_carried_sums(values, size, workers, v, out)
+    carriers = values[:formats.carrier_values(nbytes)]
+    exponent = (carriers.view(np.uint32) >> 23) & 0xFF
+    bad = int(((exponent < 1) | (exponent > 64)).sum())
+    groups = formats.unpack_bytes(carriers, nbytes, check=False).view("<u2")
+    d = formats.digits_per_group(workers)
+    written = groups < (2 * workers + 1) ** d
+    total = formats.unpack_sums(np.where(written, groups, 0).astype("<u2").view(np.uint8),
+                                size, workers)
+    out[:] = total.astype(np.float32) * v           # one rounding, as in C++
+    out[~np.repeat(written, d)[:size]] = np.nan
     return out, bad
 
 

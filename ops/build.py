@@ -402,6 +402,17 @@ def decode_carried_2bit(slots, offset, value, size, out, bad):
        ptr(out.ctypes.data), ptr(bad.ctypes.data))
 
 
+def decode_carried_sums(values, size, workers, value, out):
+    """The library's hylo_decode_carried_sums on C-contiguous numpy arrays (arguments
+    checked by mxhylo.ops.decode_carried_sums) -> the count of bad carrier values."""
+    import ctypes
+    fn = _c_library().hylo_decode_carried_sums
+    fn.restype = ctypes.c_int64
+    return int(fn(ctypes.c_void_p(values.ctypes.data), ctypes.c_int64(size),
+                  ctypes.c_int64(workers), ctypes.c_float(value),
+                  ctypes.c_void_p(out.ctypes.data)))
+
+
 def pack_carriers(data, values):
     """The library's hylo_pack_carriers on C-contiguous numpy arrays (arguments checked
     by mxhylo.ops.pack_bytes)."""

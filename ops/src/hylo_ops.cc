@@ -1473,15 +1473,10 @@ MXReturnValue decode_sums_shape(const Attrs& attrs, std::vector<std::vector<unsi
   return MX_SUCCESS;
 }
 
-MXReturnValue decode_sums_forward(const Attrs& attrs, std::vector<MXTensor>* in,
-                                  std::vector<MXTensor>* out, const OpResource&) {
-  int64_t workers64;
-  if (!parse_int(attrs, "workers", &workers64)) return MX_FAIL;
-  const int workers = static_cast<int>(workers64);
-  const float v = (*in)[1].data<float>()[0];  // the pulled header's first value
-  const uint8_t* bytes = (*in)[0].data<uint8_t>();
-  float* o = (*out)[0].data<float>();
-  const int64_t n = (*out)[0].size();
+// bytes: the packed sums of n elements for `workers` workers -> o[e] = float32(s_e) * v;
+// NaN for a group hylo_sum_2bit never writes. (hylo_decode_sums and the host-side
+// decode of a pulled 'sum' chunk.)
+void decode_sums_bytes(const uint8_t* bytes, int64_t n, int workers, float v, float* o) {
   const int d = digits_per_group(workers), k = (d + 1) / 2;
   const uint32_t base = 2 * workers + 1;
   uint32_t low = 1;  // D = B^k: a group x is hi * D + lo, lo's k digits, then hi's d - k
@@ -1521,6 +1516,15 @@ MXReturnValue decode_sums_forward(const Attrs& attrs, std::vector<MXTensor>* in,
       o[e] = written ? static_cast<float>(static_cast<int>(x % base) - workers) * v
                      : std::numeric_limits<float>::quiet_NaN();
   }
+}
+
+MXReturnValue decode_sums_forward(const Attrs& attrs, std::vector<MXTensor>* in,
+                                  std::vector<MXTensor>* out, const OpResource&) {
+  int64_t workers64;
+  if (!parse_int(attrs, "workers", &workers64)) return MX_FAIL;
+  const float v = (*in)[1].data<float>()[0];  // the pulled header's first value
+  decode_sums_bytes((*in)[0].data<uint8_t>(), (*out)[0].size(), static_cast<int>(workers64), v,
+                    (*out)[0].data<float>());
   return MX_SUCCESS;
 }
 
@@ -1701,6 +1705,27 @@ void decode_carried(const float* slots, int64_t rows, int64_t stride, int64_t of
   }
 }
 
+// A 'sum' pull on host arrays: the packed sums carried in `values` (wire.py
+// sum_values) unpacked block by block in L1 and decoded as float32(s) * v, on the
+// calling thread. Bitwise unpack_bytes then decode_sums (the tests compare): one pass
+// where that was a copy of the pulled values and two engine operations. Returns how
+// many carrier values no pack_bytes writes.
+int64_t decode_carried_sums(const float* values, int64_t n, int workers, float v, float* out) {
+  const int d = digits_per_group(workers);
+  // 3840 groups a block: 7680 packed bytes = 512 carrier groups, so blocks align
+  const int64_t block = 3840 * static_cast<int64_t>(d);
+  std::vector<uint8_t> bytes(7680);
+  int64_t bad = 0;
+  for (int64_t e0 = 0; e0 < n; e0 += block) {
+    const int64_t m = std::min(block, n - e0);
+    const int64_t nbytes = 2 * ((m + d - 1) / d), b0 = 2 * (e0 / d);
+    bad += unpack_carriers(reinterpret_cast<const uint32_t*>(values) + 4 * (b0 / 15), nbytes,
+                           bytes.data());
+    decode_sums_bytes(bytes.data(), m, workers, v, out + e0);
+  }
+  return bad;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- registry
@@ -1854,6 +1879,13 @@ __attribute__((visibility("default"))) void hylo_decode_carried_2bit(
     const float* slots, int64_t rows, int64_t stride, int64_t offset, const float* value,
     int64_t n, float* out, int64_t* bad) {
   decode_carried(slots, rows, stride, offset, value, n, out, bad);
+}
+// mxhylo.ops.decode_carried_sums (see decode_carried_sums): values float32, the packed
+// sums of n elements for `workers` workers carried; out float32 (n,); returns the
+// carrier values no pack_bytes writes.
+__attribute__((visibility("default"))) int64_t hylo_decode_carried_sums(
+    const float* values, int64_t n, int64_t workers, float v, float* out) {
+  return decode_carried_sums(values, n, static_cast<int>(workers), v, out);
 }
 // What the compiler targeted: "key=0|1 ..." (mxhylo.ops.build.build_info()).
 __attribute__((visibility("default"))) const char* hylo_build_info() {

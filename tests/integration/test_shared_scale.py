@@ -197,6 +197,52 @@ def test_servers_sum_of_carried_codes_is_numpy_composed(workers):
     assert ops.sum_carried_2bit(slots, 2, size)[1].tolist() == [0] * (workers - 1) + [1]
 
 
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+@pytest.mark.parametrize("workers", [1, 2, 3, 4, 7, 16, 41, 127])
+def test_workers_decode_of_carried_sums_is_numpy_composed(workers, backend, monkeypatch):
+    """ops.decode_carried_sums (a 'sum' pull decoded on the host, block by block) is
+    float32(s) * v of numpy's sums, bitwise what unpack_bytes then decode_sums give, at
+    sizes inside one block, on a block's edge and over several; a group no sum_2bit
+    writes decodes as NaN and an altered carrier value is counted."""
+    if backend == "cpp" and ops.backend() != "cpp":
+        pytest.skip("the C++ library is not in use (MXHYLO_OPS=reference or no build)")
+    rng = np.random.RandomState(workers)
+    d = sums.digits_per_group(workers)
+    v = np.float32(rng.rand() + 0.1)
+    for size in (1, 17, 3840 * d, 3840 * d + 1, 2 * 3840 * d + 333):
+        total = rng.randint(-workers, workers + 1, size=size)
+        packed = sums.pack_sums(total, workers)
+        values = np.concatenate([sums.pack_bytes(packed), np.zeros(5, np.float32)])
+        want = total.astype(np.float32) * v
+        composed = ops.decode_sums(ops.unpack_bytes(mx.nd.array(values), len(packed))[0],
+                                   mx.nd.array([v]), (size,), workers).asnumpy()
+        monkeypatch.setattr(ops, "backend", lambda: backend)
+        out = np.full(size, 7.0, np.float32)
+        got, bad = ops.decode_carried_sums(values, v, size, workers, out=out)
+        monkeypatch.undo()
+        assert got is out and bad == 0
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        np.testing.assert_array_equal(got.view(np.uint32), composed.view(np.uint32))
+    # the last full group never written (all ones is >= (2W+1)^d), a carrier altered
+    groups = packed.view("<u2").copy()
+    groups[-2] = 0xFFFF
+    values = sums.pack_bytes(groups.view(np.uint8))
+    values[3] = np.inf
+    monkeypatch.setattr(ops, "backend", lambda: backend)
+    got, bad = ops.decode_carried_sums(values, v, size, workers)
+    assert bad == 1
+    assert np.isnan(got).sum() >= d
+
+
+def test_decode_of_carried_sums_refuses_bad_arguments():
+    with pytest.raises(ValueError, match=r"num_workers must be in \[1, 127\]"):
+        ops.decode_carried_sums(np.ones(8, np.float32), 1.0, 4, 128)
+    with pytest.raises(ValueError, match="4 values carry the sums of 20 elements of 3"):
+        ops.decode_carried_sums(np.ones(3, np.float32), 1.0, 20, 3)
+    with pytest.raises(ValueError, match=r"out must be writable contiguous float32 \(20,\)"):
+        ops.decode_carried_sums(np.ones(8, np.float32), 1.0, 20, 3, out=np.ones(21, np.float32))
+
+
 def test_out_of_range_sums_and_worker_counts_are_refused():
     with pytest.raises(ValueError, match=r"lies in \[-2, 2\]"):
         sums.pack_sums(np.array([3]), 2)
@@ -325,18 +371,21 @@ def test_sum_pull_through_the_servers_sum(workers):
             pushes.append(push_slot(c, w, CODEC.to_bytes(p)[a:b], p.scalars)[0])
         pulled = sum_values(c, _server_sum(pushes))
         assert pulled.size == c.pull_rows * c.cols
-        aggregate, header, bad = summed_aggregate(c, mx.nd.array(pulled))
-        np.testing.assert_array_equal(
-            aggregate.asnumpy(), want[c.lo:c.hi].astype(np.float32) * np.float32(1.3))
-        header = agreed_header("fc", header, bad)
-        assert header[0] == np.float32(1.3)
-        assert header[1] == pytest.approx(sum(p.scalars[1] for p in payloads), rel=1e-6)
+        # pulled into an NDArray (operators in the engine) or read in host memory
+        for values in (mx.nd.array(pulled), pulled):
+            aggregate, header, bad = summed_aggregate(c, values)
+            np.testing.assert_array_equal(
+                aggregate.asnumpy(), want[c.lo:c.hi].astype(np.float32) * np.float32(1.3))
+            header = agreed_header("fc", header, bad)
+            assert header[0] == np.float32(1.3)
+            assert header[1] == pytest.approx(sum(p.scalars[1] for p in payloads), rel=1e-6)
     # a pulled value altered on the way: the layer is named when its header is read
     altered = pulled.copy()
     altered[5] = 0.0
-    _, header, bad = summed_aggregate(c, mx.nd.array(altered))
-    with pytest.raises(ValueError, match="layer 'fc': 1 pulled values"):
-        agreed_header("fc", header, bad)
+    for values in (mx.nd.array(altered), altered):
+        _, header, bad = summed_aggregate(c, values)
+        with pytest.raises(ValueError, match="layer 'fc': 1 pulled values"):
+            agreed_header("fc", header, bad)
 
 
 @pytest.mark.parametrize("workers, bound", [(4, 0.12), (16, 0.2), (64, 0.3), (127, 0.3)])

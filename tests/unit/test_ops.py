@@ -958,6 +958,8 @@ def isa_child(path):
             out[name + "/gathered"] = ops.decode_carried_2bit(gather_slots(slots, p), 1,
                                                               y.size)[0]
             out[name + "/uncarried"] = ops.unpack_bytes(nd(slots), 4 * x.shape[1])[0].asnumpy()
+            out[name + "/summed_pull"] = ops.decode_carried_sums(
+                sums.pack_bytes(packed.asnumpy()), p, y.size, len(x))[0]
             out[name + "/slot"] = ops.pack_bytes(x[-1].view(np.uint8))
         elif op == "bound":
             res = nd(y)
