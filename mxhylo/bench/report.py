@@ -160,10 +160,10 @@ def save(fig, path, title):
 
 def caption(report, what):
     m = report["machine"]
-    return "%s\n%s (%s), %s cores, MXNet %s, %s" % (
+    return "%s\n%s (%s), %s cores, MXNet %s, mxhylo %s" % (
         what, m.get("cpu") or "?", " ".join(f for f in m.get("cpu_features") or []
                                              if f in ("avx2", "avx512f")),
-        m.get("cores"), m.get("mxnet"), report["date"][:16])
+        m.get("cores"), m.get("mxnet"), m.get("git") or m.get("mxhylo") or "?")
 
 
 # ----------------------------------------------------------------------------- sweeps
