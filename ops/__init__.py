@@ -426,12 +426,7 @@ def decode_carried_2bit(slots, offset, size, out=None):
         if not (np.isfinite(v) and v > 0):
             raise ValueError("decode_carried_2bit: row %d was sent with value %r; a "
                              "2-bit payload's value is finite and > 0" % (w, float(v)))
-    if out is None:
-        out = np.empty(size, np.float32)
-    if out.dtype != np.float32 or out.shape != (size,) or not out.flags.c_contiguous \
-            or not out.flags.writeable:
-        raise ValueError("decode_carried_2bit: out must be writable contiguous float32 "
-                         "(%d,), got %s %s" % (size, out.dtype, out.shape))
+    out = _checks.host_out(out, size, "decode_carried_2bit")
     bad = np.zeros(slots.shape[0], np.int64)
     if backend() != "cpp":
         total = out
@@ -471,12 +466,7 @@ def decode_carried_sums(values, scale, size, num_workers, out=None):
         raise ValueError("decode_carried_sums: %d values carry the sums of %d elements of %d "
                          "workers; got shape %s" % (formats.carrier_values(nbytes), size,
                                                     workers, values.shape))
-    if out is None:
-        out = np.empty(size, np.float32)
-    if out.dtype != np.float32 or out.shape != (size,) or not out.flags.c_contiguous \
-            or not out.flags.writeable:
-        raise ValueError("decode_carried_sums: out must be writable contiguous float32 "
-                         "(%d,), got %s %s" % (size, out.dtype, out.shape))
+    out = _checks.host_out(out, size, "decode_carried_sums")
     v = np.float32(scale)
     if backend() == "cpp":
         return out, build.decode_carried_sums(values, size, workers, v, out)

@@ -195,6 +195,18 @@ def out_array(out, shape, ctx, op):
         raise ValueError("%s: out is on %s but the input is on %s" % (op, out.context, ctx))
 
 
+def host_out(out, size, op):
+    """A host-side function's output: ``out`` if given (writable contiguous float32
+    numpy (size,)), else a new array. ValueError naming ``op`` otherwise."""
+    if out is None:
+        return np.empty(size, np.float32)
+    if out.dtype != np.float32 or out.shape != (size,) or not out.flags.c_contiguous \
+            or not out.flags.writeable:
+        raise ValueError("%s: out must be writable contiguous float32 (%d,), got %s %s"
+                         % (op, size, out.dtype, out.shape))
+    return out
+
+
 def rows_and_width(shape):
     """(O, F): the array viewed as O rows (output filters) of F elements."""
     rows = shape[0]
