@@ -1473,58 +1473,72 @@ MXReturnValue decode_sums_shape(const Attrs& attrs, std::vector<std::vector<unsi
   return MX_SUCCESS;
 }
 
-// bytes: the packed sums of n elements for `workers` workers -> o[e] = float32(s_e) * v;
-// NaN for a group hylo_sum_2bit never writes. (hylo_decode_sums and the host-side
-// decode of a pulled 'sum' chunk.)
-void decode_sums_bytes(const uint8_t* bytes, int64_t n, int workers, float v, float* o) {
-  const int d = digits_per_group(workers), k = (d + 1) / 2;
-  const uint32_t base = 2 * workers + 1;
-  uint32_t low = 1;  // D = B^k: a group x is hi * D + lo, lo's k digits, then hi's d - k
-  for (int i = 0; i < k; ++i) low *= base;
-  const uint32_t limit = low * (d - k == k ? low : low / base);  // B^d
-  // value[j * k + i] = float32(digit i of j - W) * v for every j < D: each element one
-  // rounding, as float32(s) * v is; lo and hi (< B^(d-k) <= D for a written group)
-  // are rows of it
-  std::vector<float> value(static_cast<size_t>(low) * k);
-  for (uint32_t j = 0; j < low; ++j) {
-    uint32_t x = j;
-    for (int i = 0; i < k; ++i, x /= base)
-      value[j * k + i] = static_cast<float>(static_cast<int>(x % base) - workers) * v;
-  }
-  // x / D for x < 2^16 by one multiply: with m = ceil(2^32 / D), e = m * D - 2^32 < D
-  // <= 2^16, the error x * e / (D * 2^32) < 1 / D never reaches the next quotient
-  const uint64_t m = ((uint64_t(1) << 32) + low - 1) / low;
-  const int64_t full = n / d;
-  const float* table = value.data();
-  for (int64_t g = 0; g < full; ++g) {
-    const uint32_t x = bytes[2 * g] | (static_cast<uint32_t>(bytes[2 * g + 1]) << 8);
-    float* dst = o + g * d;
-    if (x >= limit) {  // never written by hylo_sum_2bit
-      for (int i = 0; i < d; ++i) dst[i] = std::numeric_limits<float>::quiet_NaN();
-      continue;
+// The packed sums of `workers` workers -> o[e] = float32(s_e) * v; NaN for a group
+// hylo_sum_2bit never writes. Built once per pulled array (the table), then decode()
+// over all its bytes or block by block (hylo_decode_sums and the host-side decode of
+// a pulled 'sum' chunk).
+struct SumsDecoder {
+  int workers, d, k;
+  uint32_t base, low, limit;
+  uint64_t m;
+  std::vector<float> value;
+  float v;
+
+  SumsDecoder(int workers_, float v_) : workers(workers_), v(v_) {
+    d = digits_per_group(workers);
+    k = (d + 1) / 2;
+    base = 2 * workers + 1;
+    low = 1;  // D = B^k: a group x is hi * D + lo, lo's k digits, then hi's d - k
+    for (int i = 0; i < k; ++i) low *= base;
+    limit = low * (d - k == k ? low : low / base);  // B^d
+    // value[j * k + i] = float32(digit i of j - W) * v for every j < D: each element one
+    // rounding, as float32(s) * v is; lo and hi (< B^(d-k) <= D for a written group)
+    // are rows of it
+    value.resize(static_cast<size_t>(low) * k);
+    for (uint32_t j = 0; j < low; ++j) {
+      uint32_t x = j;
+      for (int i = 0; i < k; ++i, x /= base)
+        value[j * k + i] = static_cast<float>(static_cast<int>(x % base) - workers) * v;
     }
-    const uint32_t hi = static_cast<uint32_t>((x * m) >> 32), lo = x - hi * low;
-    const float* a = table + lo * k;
-    const float* b = table + hi * k;
-    for (int i = 0; i < k; ++i) dst[i] = a[i];
-    for (int i = 0; i < d - k; ++i) dst[k + i] = b[i];
+    // x / D for x < 2^16 by one multiply: with m = ceil(2^32 / D), e = m * D - 2^32 < D
+    // <= 2^16, the error x * e / (D * 2^32) < 1 / D never reaches the next quotient
+    m = ((uint64_t(1) << 32) + low - 1) / low;
   }
-  if (full * d < n) {  // the last group, short
-    uint32_t x = bytes[2 * full] | (static_cast<uint32_t>(bytes[2 * full + 1]) << 8);
-    const bool written = x < limit;
-    for (int64_t e = full * d; e < n; ++e, x /= base)
-      o[e] = written ? static_cast<float>(static_cast<int>(x % base) - workers) * v
-                     : std::numeric_limits<float>::quiet_NaN();
+
+  // n elements from the start of a group
+  void decode(const uint8_t* bytes, int64_t n, float* o) const {
+    const int64_t full = n / d;
+    const float* table = value.data();
+    for (int64_t g = 0; g < full; ++g) {
+      const uint32_t x = bytes[2 * g] | (static_cast<uint32_t>(bytes[2 * g + 1]) << 8);
+      float* dst = o + g * d;
+      if (x >= limit) {  // never written by hylo_sum_2bit
+        for (int i = 0; i < d; ++i) dst[i] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      const uint32_t hi = static_cast<uint32_t>((x * m) >> 32), lo = x - hi * low;
+      const float* a = table + lo * k;
+      const float* b = table + hi * k;
+      for (int i = 0; i < k; ++i) dst[i] = a[i];
+      for (int i = 0; i < d - k; ++i) dst[k + i] = b[i];
+    }
+    if (full * d < n) {  // the last group, short
+      uint32_t x = bytes[2 * full] | (static_cast<uint32_t>(bytes[2 * full + 1]) << 8);
+      const bool written = x < limit;
+      for (int64_t e = full * d; e < n; ++e, x /= base)
+        o[e] = written ? static_cast<float>(static_cast<int>(x % base) - workers) * v
+                       : std::numeric_limits<float>::quiet_NaN();
+    }
   }
-}
+};
 
 MXReturnValue decode_sums_forward(const Attrs& attrs, std::vector<MXTensor>* in,
                                   std::vector<MXTensor>* out, const OpResource&) {
   int64_t workers64;
   if (!parse_int(attrs, "workers", &workers64)) return MX_FAIL;
   const float v = (*in)[1].data<float>()[0];  // the pulled header's first value
-  decode_sums_bytes((*in)[0].data<uint8_t>(), (*out)[0].size(), static_cast<int>(workers64), v,
-                    (*out)[0].data<float>());
+  SumsDecoder(static_cast<int>(workers64), v)
+      .decode((*in)[0].data<uint8_t>(), (*out)[0].size(), (*out)[0].data<float>());
   return MX_SUCCESS;
 }
 
@@ -1711,7 +1725,8 @@ void decode_carried(const float* slots, int64_t rows, int64_t stride, int64_t of
 // where that was a copy of the pulled values and two engine operations. Returns how
 // many carrier values no pack_bytes writes.
 int64_t decode_carried_sums(const float* values, int64_t n, int workers, float v, float* out) {
-  const int d = digits_per_group(workers);
+  const SumsDecoder sums(workers, v);
+  const int d = sums.d;
   // 3840 groups a block: 7680 packed bytes = 512 carrier groups, so blocks align
   const int64_t block = 3840 * static_cast<int64_t>(d);
   std::vector<uint8_t> bytes(7680);
@@ -1721,7 +1736,7 @@ int64_t decode_carried_sums(const float* values, int64_t n, int workers, float v
     const int64_t nbytes = 2 * ((m + d - 1) / d), b0 = 2 * (e0 / d);
     bad += unpack_carriers(reinterpret_cast<const uint32_t*>(values) + 4 * (b0 / 15), nbytes,
                            bytes.data());
-    decode_sums_bytes(bytes.data(), m, workers, v, out + e0);
+    sums.decode(bytes.data(), m, out + e0);
   }
   return bad;
 }
