@@ -8,23 +8,27 @@ step, so the aggregate is v * (sum of the codes), an integer in [-W, W] per
 element: the servers add the codes as integers (mxhylo.ops.formats, the 'sum' pull) and
 every worker decodes the one sum. Exact: v times the integer, rounded once.
 
-The scale, agreed with no extra round trip. Each worker's push carries, beside its
-codes, sum |a| of its own a. The servers sum it with the codes; after the pull every
-worker holds the same total and sets the next step's scale from it:
+The threshold and the value, agreed with no extra round trip. Each worker's push
+carries, beside its codes, sum |a| of its own a and the mean |a| of the elements it
+sent. The servers sum them with the codes; after the pull every worker holds the
+same totals and sets the next step's threshold and value from them:
 
-    t = v = (sum over workers of sum |a|) / (W * n)    the mean |a| over all workers
+    t = (sum over workers of sum |a|) / (W * n)          the mean |a| over all workers
+    v = (sum over workers of its sent elements' mean |a|) / W
 
-fc_2bit's threshold rule pooled over the workers, one step late as fc_2bit's already
-is. The value sent is the threshold itself (Hylo's original code), not the mean of
-what is sent: every sent element has |a| >= t = v, so its residual keeps its sign and
-shrinks (|a| - v < |a|): error feedback never sends more than an element holds. With
-a pooled mean as the value, an element just over a pooled threshold
-was sent at up to twice its size and came back with the opposite sign: 16 simulated
-workers on conv_net (lr 0.05, seed 4) fell to 69.3% where dense reached 92.2% and
-v = t 92.2%. A layer's first step has no agreed scale yet: it sends no codes, only
-its sum, and its whole gradient waits one step in the residual.
+fc_2bit's rule (threshold the mean |a|, value the mean of what is sent), pooled over
+the workers and one step late. An element just over t is sent at v > |a| and its
+residual changes sign, by at most v - t; the residual's row bound (kvstore.stages,
+BoundedResidual) keeps that from building up. Sending t itself (Hylo's v = t, no
+sign change) delivers about 40% of a layer's L1 mass a step where fc_2bit delivers
+about 70%; the rest waits, and the row bound drops what no longer fits. Measured
+with 16 simulated workers on conv_net (no BatchNorm, 5 seeds, docs/BENCHMARKS.md,
+"Pull bytes and accuracy past one rack"): v = t trailed dense by 1.51 points on
+average and 7.6 on seed 0; the pooled mean of what is sent is within the noise of
+dense. A layer's first step has no agreed scale yet: it sends no codes, only its
+sum, and its whole gradient waits one step in the residual.
 
-Payload scalars: (v, sum |a|). A 'gather' or dense pull decodes each worker's payload
+Payload scalars: (v, sum |a|, mean |a| of the sent elements). A 'gather' or dense pull decodes each worker's payload
 with its v (the same on all), so the codec travels any way a 'slots' codec does; only
 the 'sum' pull needs the shared v.
 """
@@ -33,6 +37,7 @@ import numpy as np
 from .. import ops
 from .codec import Payload, undo_encode, raise_non_finite
 from .compressors import TwoBit
+from .memory import Owed
 
 # the first step's threshold: no |a| reaches it, so nothing is sent
 NOTHING_SENT = float(np.finfo(np.float32).max)
@@ -40,25 +45,35 @@ NOTHING_SENT = float(np.finfo(np.float32).max)
 
 class SharedTwoBit(TwoBit):
     """Any large layer: 2-bit codes, one threshold and value agreed by all workers (see
-    the module docstring). Payload: int32 codes (16 per word) and two scalars."""
+    the module docstring). Payload: int32 codes (16 per word) and three scalars."""
     name = "shared_2bit"
     wire = "slots"
-    scalars = 2         # v, this worker's sum |a|
+    scalars = 3         # v; this worker's sum |a|; the mean |a| of what it sent
     summable = True     # the servers may add the codes of all workers (pull 'sum')
 
     def encode(self, plan, grad, memory):
-        v = memory.scalar(plan.name, "shared_value")
-        v = float(np.float32(NOTHING_SENT if v is None else v))
-        residual = memory.residual(plan.name, grad)
-        # one pass: a = g + r, c where |a| >= v, r <- a - c * v
-        codes, stats = ops.quantize_2bit(grad, residual, v, value=v)
-        total, bad, _ = (float(x) for x in stats.asnumpy())
-        # float32, as the slots carry them: every reader sums the same numbers
+        t = memory.scalar(plan.name, "shared_threshold")
+        first = t is None
+        t = float(np.float32(NOTHING_SENT if first else t))
+        v = float(np.float32(memory.scalar(plan.name, "shared_value") or t))
+        # One pass, as fc_2bit's: a = g + r, codes where |a| >= t; the kernel measures
+        # this worker's mean sent |a| (value=None) and leaves r <- a - c * v owed with
+        # the agreed v (the codes do not depend on the value, only the residual does).
+        residual, owed = memory.residual_owing(plan.name, grad)
+        pending = None if owed is None else (owed.threshold, owed.value)
+        codes, stats = ops.quantize_2bit(grad, residual, t, pending=pending, defer=True)
+        memory.set_owed(plan.name, None)
+        total, bad, sent_mean = (float(x) for x in stats.asnumpy())
+        # float32, as the slots carry them: every reader sums the same numbers; at the
+        # first step nothing is sent, and its mean (t, float32 max) must not be summed
         payload = Payload(self.name, tuple(grad.shape), (codes,),
-                          (v, float(np.float32(total))))
+                          (v, float(np.float32(total)),
+                           0.0 if first else float(np.float32(sent_mean))))
         if bad:
+            ops.settle_2bit(codes, v, residual)
             undo_encode(self, payload, grad, residual)
             raise_non_finite(plan.name, int(bad), plan.size)
+        memory.set_owed(plan.name, Owed(codes, t, v))   # no non-finite: a valid pending
         return payload
 
     def decode(self, payload, out, accumulate=False):
@@ -68,8 +83,11 @@ class SharedTwoBit(TwoBit):
 
     @staticmethod
     def agree(plan, totals, num_workers, memory):
-        """Set layer ``plan``'s next value from ``totals``: the payload scalars summed
-        over the workers (what every worker pulls alike)."""
-        v = totals[1] / (num_workers * max(plan.size, 1))
-        # an all-zero layer: any positive value sends zeros
-        memory.set_scalar(plan.name, "shared_value", max(v, float(np.finfo(np.float32).tiny)))
+        """Set layer ``plan``'s next threshold and value from ``totals``: the payload
+        scalars summed over the workers (what every worker pulls alike)."""
+        tiny = float(np.finfo(np.float32).tiny)     # an all-zero layer: sends zeros
+        t = max(totals[1] / (num_workers * max(plan.size, 1)), tiny)
+        # after the first step (nothing sent, no means pushed): v = t, Hylo's value
+        v = totals[2] / num_workers if totals[2] > 0 else t
+        memory.set_scalar(plan.name, "shared_threshold", t)
+        memory.set_scalar(plan.name, "shared_value", max(v, tiny))

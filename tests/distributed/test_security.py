@@ -352,7 +352,7 @@ def test_well_formed_pushes_of_real_layouts_pass(server, codec, pull):
     if codec == "shared_2bit":
         assert layout.pull == "sum"
     server.merge_layouts({3: ("fc", layout)}, "test")
-    slots = _good_slots(layout, rng, (0.25, 7.0))
+    slots = _good_slots(layout, rng, (0.25, 7.0, 0.3))
     stored = _stored(layout)
     server.aggregate_into(3, stored, _sum([_slot_push(layout, w, slots[w]) for w in range(W)]))
     if layout.pull == "none":
@@ -473,7 +473,7 @@ def test_shared_scale_sum_names_the_workers(server):
     layout = _slots_layout("shared_2bit", 40000, "gather")
     assert layout.pull == "sum"
     server.merge_layouts({12: ("fc", layout)}, "test")
-    slots = _good_slots(layout, rng, (0.25, 3.0))
+    slots = _good_slots(layout, rng, (0.25, 3.0, 0.3))
     slots[1][0] = 0.5
     msg = _ended(server, 12, _stored(layout),
                  _sum([_slot_push(layout, w, slots[w]) for w in range(W)]))

@@ -69,8 +69,9 @@ def test_real_jobs_sum_pull_is_the_simulation_bitwise(tmp_path, launcher, worker
         for w in range(workers):
             np.testing.assert_array_equal(got[w]["aggregate/%d" % step], want,
                                           err_msg="rank %d, step %d" % (w, step))
-            assert float(got[w]["value/%d" % step]) == \
-                sim.memories[0].scalar("fc", "shared_value")
+            for agreed in ("threshold", "value"):
+                assert float(got[w]["%s/%d" % (agreed, step)]) == \
+                    sim.memories[0].scalar("fc", "shared_" + agreed)
         if step == 0:
             assert not want.any()           # the first step agrees the scale, sends nothing
     assert np.abs(want).max() > 0

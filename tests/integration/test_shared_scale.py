@@ -271,55 +271,78 @@ def test_first_step_sends_nothing_and_keeps_the_gradient():
     CODEC.decode(payload, out)
     assert not out.asnumpy().any()
     np.testing.assert_array_equal(memory.residual(plan.name, mx.nd.array(g)).asnumpy(), g)
-    v, absum = payload.scalars
+    v, absum, sent_mean = payload.scalars
     assert v == NOTHING_SENT
     assert absum == pytest.approx(np.abs(g).sum(), rel=1e-5)
+    assert sent_mean == 0.0         # nothing sent: no mean to pool
+
+
+def _agreed(memory, name, threshold, value):
+    """Layer ``name``'s memory as after an agreement on ``threshold`` and ``value``."""
+    memory.set_scalar(name, "shared_threshold", threshold)
+    memory.set_scalar(name, "shared_value", value)
+
+
+def _agree(plan, payloads, memories):
+    header, total = sum_payloads(payloads, plan.size)
+    for m in memories:
+        CODEC.agree(plan, header, len(memories), m)
+    return header, total
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_agreed_scale_quantizes_every_worker_alike(seed):
-    """W workers: step 1 agrees v, the mean |a| over all workers; step 2 sends sign(a)
-    where |a| >= v, as c * v, leaves a - c * v (same sign as a, smaller), and the
-    summed aggregate is v times the sum of the codes, as numpy computes it."""
+    """W workers. Step 1 sends nothing and agrees the threshold t, the mean |a| over
+    all workers, with v = t. Step 2 sends sign(a) where |a| >= t, as c * v, and leaves
+    a - c * v; it agrees v, the mean over the workers of each one's mean sent |a|.
+    Step 3 sends with that v, every worker alike; each summed aggregate is v times the
+    sum of the codes, as numpy computes it."""
     rng = np.random.RandomState(seed)
     workers = int(rng.randint(1, 6))
     shape = (int(rng.randint(1, 50)), int(rng.randint(1, 70)))
     plan = _plan(shape)
     memories = [ResidualMemory() for _ in range(workers)]
-    g1 = [rng.randn(*shape).astype(np.float32) for _ in range(workers)]
-    first = [CODEC.encode(plan, mx.nd.array(g), m) for g, m in zip(g1, memories)]
-    header, _ = sum_payloads(first, plan.size)
-    for m in memories:
-        CODEC.agree(plan, header, workers, m)
-    v = memories[0].scalar(plan.name, "shared_value")
-    assert v == pytest.approx(np.mean([np.abs(g).mean() for g in g1]), rel=1e-5)
-    assert all(m.scalar(plan.name, "shared_value") == v for m in memories)
-
-    g2 = [rng.randn(*shape).astype(np.float32) for _ in range(workers)]
-    second = [CODEC.encode(plan, mx.nd.array(g), m) for g, m in zip(g2, memories)]
-    header, total = sum_payloads(second, plan.size)
-    want_codes = []
-    for w in range(workers):
-        a = g1[w] + g2[w]                                 # float32, as the op folds
-        c = _np_quantize(a, v)
-        want_codes.append(c)
-        residual = memories[w].residual(plan.name, mx.nd.array(g2[w])).asnumpy()
-        np.testing.assert_array_equal(residual, a - c.astype(np.float32) * np.float32(v))
-        sent = c != 0
-        assert (np.sign(residual[sent]) * np.sign(a[sent]) >= 0).all()
-        assert (np.abs(residual) <= np.abs(a)).all()
-        assert second[w].scalars == (np.float32(v), pytest.approx(np.abs(a).sum(), rel=1e-5))
-    np.testing.assert_array_equal(sums.unpack_sums(total.asnumpy(), plan.size, workers),
-                                  np.sum(want_codes, axis=0).reshape(-1))
-    np.testing.assert_array_equal(decode_sums(header, total, (plan.size,), workers).asnumpy(),
-                                  np.sum(want_codes, axis=0).reshape(-1).astype(np.float32)
-                                  * np.float32(v))
+    grads = [[rng.randn(*shape).astype(np.float32) for _ in range(workers)]
+             for _ in range(3)]
+    held = [np.zeros(shape, np.float32) for _ in range(workers)]
+    t = v = None
+    for step, g in enumerate(grads):
+        payloads = [CODEC.encode(plan, mx.nd.array(x), m) for x, m in zip(g, memories)]
+        header, total = _agree(plan, payloads, memories)
+        want_codes, sent_means, abs_means = [], [], []
+        for w in range(workers):
+            a = held[w] + g[w]                            # float32, as the op folds
+            c = _np_quantize(a, NOTHING_SENT if t is None else t)
+            want_codes.append(c)
+            abs_means.append(np.abs(a).mean())
+            residual = memories[w].residual(plan.name, mx.nd.array(g[w])).asnumpy()
+            q = c.astype(np.float32) * np.float32(NOTHING_SENT if v is None else v)
+            np.testing.assert_array_equal(residual, a - q)
+            held[w] = residual
+            sent = np.abs(a[c != 0])
+            sent_means.append(sent.mean() if sent.size else
+                              (0.0 if t is None else np.float32(t)))
+            assert payloads[w].scalars[1] == pytest.approx(np.abs(a).sum(), rel=1e-5)
+            assert payloads[w].scalars[2] == pytest.approx(sent_means[w], rel=1e-5)
+        if v is not None:
+            np.testing.assert_array_equal(
+                sums.unpack_sums(total.asnumpy(), plan.size, workers),
+                np.sum(want_codes, axis=0).reshape(-1))
+            np.testing.assert_array_equal(
+                decode_sums(header, total, (plan.size,), workers).asnumpy(),
+                np.sum(want_codes, axis=0).reshape(-1).astype(np.float32) * np.float32(v))
+        t = memories[0].scalar(plan.name, "shared_threshold")
+        v = memories[0].scalar(plan.name, "shared_value")
+        assert t == pytest.approx(np.mean(abs_means), rel=1e-5)
+        assert v == pytest.approx(np.mean(sent_means) if step else t, rel=1e-5)
+        assert all(m.scalar(plan.name, "shared_threshold") == t and
+                   m.scalar(plan.name, "shared_value") == v for m in memories)
 
 
 def test_workers_with_different_scales_are_refused():
     plan = _plan((4, 8))
     a, b = ResidualMemory(), ResidualMemory()
-    b.set_scalar(plan.name, "shared_value", 0.7)
+    _agreed(b, plan.name, 0.7, 0.7)
     g = mx.nd.ones((4, 8))
     with pytest.raises(ValueError, match="different shared values"):
         sum_payloads([CODEC.encode(plan, g, a), CODEC.encode(plan, g, b)], plan.size)
@@ -329,7 +352,7 @@ def test_workers_with_different_scales_are_refused():
 def test_non_finite_gradient_is_refused_with_the_layer_named(bad):
     plan = _plan((8, 16), name="dense7_weight")
     memory = ResidualMemory()
-    memory.set_scalar(plan.name, "shared_value", 0.75)
+    _agreed(memory, plan.name, 0.75, 0.9)
     rng = np.random.RandomState(1)
     before = rng.randn(8, 16).astype(np.float32)
     memory.residual(plan.name, mx.nd.array(before))[:] = before
@@ -358,10 +381,10 @@ def test_sum_pull_through_the_servers_sum(workers):
     plan = _plan(shape)
     memories = [ResidualMemory() for _ in range(workers)]
     for m in memories:
-        m.set_scalar(plan.name, "shared_value", 1.3)
+        _agreed(m, plan.name, 1.1, 1.3)          # sent where |a| >= 1.1, as +-1.3
     grads = [rng.randn(*shape).astype(np.float32) for _ in range(workers)]
     payloads = [CODEC.encode(plan, mx.nd.array(g), m) for g, m in zip(grads, memories)]
-    want = np.sum([_np_quantize(g, 1.3) for g in grads], axis=0).reshape(-1)
+    want = np.sum([_np_quantize(g, 1.1) for g in grads], axis=0).reshape(-1)
     chunks = plan_chunks("shared_2bit", shape, workers, 2, 16 * 1024, pull="gather")
     assert len(chunks) > 1 and all(c.pull == "sum" for c in chunks)
     for c in chunks:
@@ -378,7 +401,9 @@ def test_sum_pull_through_the_servers_sum(workers):
                 aggregate.asnumpy(), want[c.lo:c.hi].astype(np.float32) * np.float32(1.3))
             header = agreed_header("fc", header, bad)
             assert header[0] == np.float32(1.3)
-            assert header[1] == pytest.approx(sum(p.scalars[1] for p in payloads), rel=1e-6)
+            for i in (1, 2):
+                assert header[i] == pytest.approx(sum(p.scalars[i] for p in payloads),
+                                                  rel=1e-6)
     # a pulled value altered on the way: the layer is named when its header is read
     altered = pulled.copy()
     altered[5] = 0.0

@@ -36,7 +36,9 @@ def main(out):
         g = mx.nd.array(gradient(rng))
         kv.pushpull("fc", g)
         arrays["aggregate/%d" % step] = g.asnumpy()
-        arrays["value/%d" % step] = np.float64(kv.memory.scalar("fc", "shared_value"))
+        for agreed in ("threshold", "value"):
+            arrays["%s/%d" % (agreed, step)] = np.float64(
+                kv.memory.scalar("fc", "shared_" + agreed))
     np.savez(out.format(rank=kv.rank) + ".npz", **arrays)
     stats = kv.stats()["layers"]["fc"]
     keys = getattr(kv.transport, "keys", None)        # (the parameter server's)
