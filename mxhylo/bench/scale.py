@@ -279,15 +279,21 @@ def plot(out, path):
         ax.legend(fontsize=7, loc="lower right")
     if "accuracy" not in out:
         axes[1].set_visible(False)
+    # what a user asks: how far each compressed pull ends from dense, seed by seed
     paired = out.get("accuracy", {}).get("paired", {})
     for i, (net, cell) in enumerate(paired.items()):
-        codecs = [c for c in cell if "-" not in c]
-        for j, c in enumerate(codecs):
-            axes[1].bar(i + (j - 1) * 0.26, 100 * cell[c]["mean"], 0.26,
-                        label=c if i == 0 else None, color="C%d" % j)
+        for j, (label, key) in enumerate((("gather", "dense-gather"),
+                                          ("sum (shared_2bit)", "dense-shared"))):
+            if key in cell:     # 'a-b' holds a - b: the pull's difference is its negative
+                axes[1].bar(i + (j - 0.5) * 0.35, -cell[key]["mean_points"], 0.35,
+                            yerr=cell[key]["sd_points"], capsize=3,
+                            label=label if i == 0 else None, color="C%d" % (j + 1))
+    for bound in (-0.5, 0.5):
+        axes[1].axhline(bound, color="grey", linestyle=":", linewidth=1)
+    axes[1].axhline(0, color="black", linewidth=0.8)
     axes[1].set_xticks(range(len(paired)))
     axes[1].set_xticklabels(list(paired))
-    axes[1].set(ylabel="test accuracy (%), mean over seeds")
+    axes[1].set(ylabel="test accuracy minus dense's, points\n(paired mean over seeds, +-sd)")
     if paired:
         axes[1].legend(fontsize=7)
     report.save(fig, path, report.caption(out, "scale: %s servers; %s simulated workers" % (
