@@ -2,35 +2,43 @@
 the codes themselves (THC's tensor-homomorphic idea) and the pull does not grow with W.
 
 Every element of a = g + r goes out as c * v, c in {-1, 0, +1}: c = sign(a) where
-|a| >= v, else 0; r <- a - c * v (error feedback, on the workers only). Unlike fc_2bit,
-whose threshold and value are each worker's own, v is the same on every worker at a
-step, so the aggregate is v * (sum of the codes), an integer in [-W, W] per
-element: the servers add the codes as integers (mxhylo.ops.formats, the 'sum' pull) and
-every worker decodes the one sum. Exact: v times the integer, rounded once.
+|a| >= t, else 0; r <- a - c * v (error feedback, on the workers only). Unlike fc_2bit,
+whose threshold and value are each worker's own, t and v are the same on every worker
+at a step, so the aggregate is v * (sum of the codes), an integer in [-W, W] per
+element: the servers add the codes as integers (mxhylo.ops.formats, the 'sum' pull)
+and every worker decodes the one sum. Exact: v times the integer, rounded once.
 
 The threshold and the value, agreed with no extra round trip. Each worker's push
 carries, beside its codes, sum |a| of its own a and the mean |a| of the elements it
-sent. The servers sum them with the codes; after the pull every worker holds the
-same totals and sets the next step's threshold and value from them:
+sent. The servers sum them with the codes; after the pull every worker holds the same
+totals and sets the next step's threshold and value from them:
 
     t = (sum over workers of sum |a|) / (W * n)          the mean |a| over all workers
     v = (sum over workers of its sent elements' mean |a|) / W
 
 fc_2bit's rule (threshold the mean |a|, value the mean of what is sent), pooled over
-the workers and one step late. An element just over t is sent at v > |a| and its
-residual changes sign, by at most v - t; the residual's row bound (kvstore.stages,
-BoundedResidual) keeps that from building up. Sending t itself (Hylo's v = t, no
-sign change) delivers about 40% of a layer's L1 mass a step where fc_2bit delivers
-about 70%; the rest waits, and the row bound drops what no longer fits. Measured
-with 16 simulated workers on conv_net (no BatchNorm, 5 seeds, docs/BENCHMARKS.md,
-"Pull bytes and accuracy past one rack"): v = t trailed dense by 1.51 points on
-average and 7.6 on seed 0; the pooled mean of what is sent is within the noise of
-dense. A layer's first step has no agreed scale yet: it sends no codes, only its
-sum, and its whole gradient waits one step in the residual.
+the workers and one step late. A layer's first step has no agreed scale yet: it sends
+no codes, only its sums, and its whole gradient waits one step in the residual; the
+next step sends at v = t.
 
-Payload scalars: (v, sum |a|, mean |a| of the sent elements). A 'gather' or dense pull decodes each worker's payload
-with its v (the same on all), so the codec travels any way a 'slots' codec does; only
-the 'sum' pull needs the shared v.
+Why it converges: every worker pulls the same sums, so all hold the same t and v,
+bitwise. A sent element leaves |a| - v (same sign) or, just over t, v - |a| (the sign
+changes); while v < 2t both are smaller than |a|, so the codec never leaves an element
+more than it held: error feedback's condition for converging as the uncompressed
+method does. v / t is 1.7 for normally distributed a and 2 for Laplace-distributed a;
+heavier tails can pass 2, and there the residual's row bound (kvstore.stages,
+BoundedResidual) caps what a row holds.
+
+Why this value: sending t itself (Hylo's v = t: no sign change) delivers about 40% of
+a layer's L1 mass a step where fc_2bit's value delivers about 70%; the rest waits, and
+the row bound drops what no longer fits. With 16 simulated workers on conv_net (no
+BatchNorm, 5 paired seeds; docs/BENCHMARKS.md, "Pull bytes and accuracy past one
+rack") v = t trailed dense by 1.51 points on average and by 7.6 on one seed; the pooled
+mean of what is sent ended 0.36 point above dense.
+
+Payload scalars: (v, sum |a|, mean |a| of the sent elements). A 'gather' or dense pull
+decodes each worker's payload with its v (the same on all), so the codec travels any
+way a 'slots' codec does; only the 'sum' pull needs the shared v.
 """
 import numpy as np
 
