@@ -296,7 +296,8 @@ def test_agreed_scale_quantizes_every_worker_alike(seed):
     all workers, with v = t. Step 2 sends sign(a) where |a| >= t, as c * v, and leaves
     a - c * v; it agrees v, the mean over the workers of each one's mean sent |a|.
     Step 3 sends with that v, every worker alike; each summed aggregate is v times the
-    sum of the codes, as numpy computes it."""
+    sum of the codes, as numpy computes it. While v < 2t no residual element exceeds
+    the element it came from."""
     rng = np.random.RandomState(seed)
     workers = int(rng.randint(1, 6))
     shape = (int(rng.randint(1, 50)), int(rng.randint(1, 70)))
@@ -318,6 +319,9 @@ def test_agreed_scale_quantizes_every_worker_alike(seed):
             residual = memories[w].residual(plan.name, mx.nd.array(g[w])).asnumpy()
             q = c.astype(np.float32) * np.float32(NOTHING_SENT if v is None else v)
             np.testing.assert_array_equal(residual, a - q)
+            if v is not None and np.float32(v) < 2 * np.float32(t):
+                # the codec's contraction: no element is left more than it held
+                assert (np.abs(residual) <= np.abs(a)).all()
             held[w] = residual
             sent = np.abs(a[c != 0])
             sent_means.append(sent.mean() if sent.size else
