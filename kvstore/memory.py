@@ -42,7 +42,6 @@ class ResidualMemory:
         self._residuals = {}
         self._scalars = {}
         self._arrays = {}
-        self._spares = {}       # (name, field) -> the array set_array last replaced
         self._owed = {}         # name -> Owed
 
     def residual(self, name, like):
@@ -107,28 +106,13 @@ class ResidualMemory:
 
     def set_array(self, name, field, value):
         """Make float32 NDArray ``value`` the state array ``field`` of layer ``name``
-        (the memory keeps ``value`` itself: the caller hands it over). The array it
-        replaces becomes the field's spare (see spare())."""
+        (the memory keeps ``value`` itself: the caller hands it over)."""
         if field not in ARRAY_FIELDS:
             raise ValueError("unknown state array %r (known: %s)" % (field, ARRAY_FIELDS))
         if value.dtype != np.float32:
             raise ValueError("state array %s of layer %r must be float32, got %s"
                              % (field, name, value.dtype))
-        old = self._arrays.get((name, field))
         self._arrays[(name, field)] = value
-        if old is not None and old is not value:
-            self._spares[(name, field)] = old
-
-    def spare(self, name, field, like):
-        """A float32 NDArray the caller may overwrite to build the next value of state
-        array ``field`` of layer ``name``: the one set_array() replaced last, if it has
-        the shape and context of NDArray ``like``; else None. Why: a value built into
-        a new array each step (the velocity: kept only once its encode succeeded)
-        would allocate, and on the CPU page-fault, the layer's size every step."""
-        arr = self._spares.get((name, field))
-        if arr is None or arr.shape != like.shape or arr.context != like.context:
-            return None
-        return arr
 
     def get(self, name):
         """The residual of layer ``name`` (nothing owed on it), or None if it has none yet."""
@@ -191,7 +175,7 @@ class ResidualMemory:
             else:
                 scalars[(name, field)] = float(value.asnumpy()[0])
         self._residuals, self._scalars, self._arrays = residuals, scalars, arrays
-        self._spares, self._owed = {}, {}
+        self._owed = {}
 
     def save(self, fname):
         mx.nd.save(fname, self.state_dict())

@@ -87,13 +87,11 @@ def step_lr(optimizer):
 
 
 def accumulate(name, grad, memory, ctx, ratio=None):
-    """The velocity ``m * ratio * u + grad`` (a float32 NDArray other than ``u``: the
-    layer's spare velocity, or a new one) of layer ``name``, ``ratio`` the
-    :func:`step_ratio` (None: 1) that brings ``u`` to this step's units; ``u`` itself
-    changes only in :func:`keep_velocity`, after a successful encode."""
+    """The velocity ``m * ratio * u + grad`` (a new float32 NDArray) of layer ``name``,
+    ``ratio`` the :func:`step_ratio` (None: 1) that brings ``u`` to this step's units;
+    ``u`` itself changes only in :func:`keep_velocity`, after a successful encode."""
     m = ctx.momentum if ratio is None else ctx.momentum * ratio
-    return ops.momentum_velocity(grad, memory.array(name, "velocity", grad), m,
-                                 out=memory.spare(name, "velocity", grad))
+    return ops.momentum_velocity(grad, memory.array(name, "velocity", grad), m)
 
 
 def keep_velocity(name, velocity, memory):

@@ -221,32 +221,3 @@ def test_a_store_sending_every_row_is_mxnet_momentum_sgd_under_a_schedule():
     for name in dense:
         np.testing.assert_allclose(every_row[name], dense[name], rtol=1e-5, atol=1e-7,
                                    err_msg=name)
-
-
-def test_the_velocity_alternates_two_buffers_and_a_failed_encode_keeps_it():
-    """accumulate() builds each step's velocity in the array the last keep_velocity()
-    replaced (two buffers per layer, none allocated per step), with numpy's values; a
-    velocity never kept (its encode failed) leaves the layer's velocity as it was; a
-    loaded checkpoint's velocity is never written into."""
-    rng = np.random.RandomState(5)
-    m, name = np.float32(0.9), "fc_weight"
-    ctx, memory = momentum.MomentumContext(float(m), 1.0), ResidualMemory()
-    u, kept_arrays = np.zeros((6, 20), np.float32), []
-    for _ in range(4):
-        g = rng.normal(size=(6, 20)).astype(np.float32)
-        v = momentum.accumulate(name, mx.nd.array(g), memory, ctx)
-        u = u * m + g
-        np.testing.assert_array_equal(v.asnumpy(), u)
-        momentum.keep_velocity(name, v, memory)
-        kept_arrays.append(v)       # (alive: a freed handle's address could come back)
-    handles = [a.handle.value for a in kept_arrays]
-    assert handles[0] != handles[1] and handles[2] == handles[0] and handles[3] == handles[1]
-    bad = np.full((6, 20), np.nan, np.float32)
-    assert np.isnan(momentum.accumulate(name, mx.nd.array(bad), memory, ctx).asnumpy()).all()
-    kept = memory.array(name, "velocity", mx.nd.zeros((6, 20)))
-    np.testing.assert_array_equal(kept.asnumpy(), u)
-    memory.load_state_dict(memory.state_dict())
-    loaded = memory.array(name, "velocity", kept)
-    v = momentum.accumulate(name, mx.nd.ones((6, 20)), memory, ctx)
-    assert v.handle.value != loaded.handle.value
-    np.testing.assert_array_equal(loaded.asnumpy(), u)
