@@ -120,6 +120,20 @@ class TwoBit(Compressor):
         if view is None:                        # a GPU's array: one copy through MXNet
             out[:] = summed
 
+    def decode_gathered(self, data, spans, size, out):
+        """Every worker's payload of an allgather (``data``: the gathered bytes,
+        ``spans``: a wire.BlobSpan per worker, rank order) decoded and summed into
+        ``out`` in one C++ pass (ops.decode_gathered_2bit), read where the gathered
+        bytes hold it: bitwise each payload decoded in turn."""
+        values = [span.scalars[0] for span in spans]
+        view = ops.host_view(out, write=True)
+        if view is not None:
+            view = view.reshape(-1)             # (contiguous: a view, no copy)
+        summed = ops.decode_gathered_2bit(data, [span.body_at for span in spans], values,
+                                          size, out=view)
+        if view is None:                        # a GPU's array: one copy through MXNet
+            out[:] = summed.reshape(out.shape)
+
 
 class ConvTopK(Compressor):
     """Convolution layers: the k output filters of largest L2 norm of (g + r).

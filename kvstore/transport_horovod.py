@@ -30,9 +30,10 @@ from dataclasses import dataclass
 import mxnet as mx
 import numpy as np
 
+from .. import ops
 from .compressors import make_compressors
 from .transport import Traffic, Transport
-from .wire import blob_payloads, decode_sums, payload_blob, sum_payloads
+from .wire import blob_payloads, blob_spans, decode_sums, payload_blob, sum_payloads
 
 INSTALL_HINT = (
     "install Horovod with MXNet and Gloo into this environment (make setup does it): "
@@ -229,26 +230,33 @@ class HorovodTransport(Transport):
         if self.num_workers > 1:
             sends = [mx.nd.array(g.blob, dtype=np.uint8) for g in gathered]
             names = [g.layer.plan.name for g in gathered]
-            received = [r.asnumpy() for r in self.hvd.grouped_allgather(
-                sends, name=_group_name("allgather", names))]
+            received = []
+            for r in self.hvd.grouped_allgather(sends, name=_group_name("allgather", names)):
+                view = ops.host_view(r)     # where Horovod wrote it, no copy (None: a GPU's)
+                received.append(r.asnumpy() if view is None else view)
         else:
             received = [g.blob for g in gathered]
         for n, (g, data) in enumerate(zip(gathered, received)):
-            blobs = blob_payloads(data, g.layer.plan.shape)
-            if len(blobs) != self.num_workers:
+            spans = blob_spans(data, g.layer.plan.shape)
+            if len(spans) != self.num_workers:
                 raise RuntimeError("layer %r: %d payloads gathered from %d workers"
-                                   % (g.layer.plan.name, len(blobs), self.num_workers))
-            payloads = [b.payload for b in blobs]
+                                   % (g.layer.plan.name, len(spans), self.num_workers))
+            codec = self._codecs[spans[0].strategy]
             agreed = None
-            if getattr(self._codecs[payloads[0].strategy], "summable", False):
+            if getattr(codec, "summable", False):
                 # a shared scale: the integer sums, as the servers' 'sum' pull
+                payloads = [b.payload for b in blob_payloads(data, g.layer.plan.shape)]
                 agreed, packed = sum_payloads(payloads, g.layer.plan.size)
                 decode_sums(agreed, packed, g.out.shape, self.num_workers, out=g.out)
+            elif hasattr(codec, "decode_gathered") and \
+                    all(s.strategy == codec.name for s in spans):
+                # rank order in one pass: the same float sums on every worker
+                codec.decode_gathered(data, spans, g.layer.plan.size, g.out)
             else:
                 g.out[:] = 0
-                for p in payloads:      # rank order: the same float sums on every worker
-                    self._codecs[p.strategy].decode(p, g.out.reshape(p.shape),
-                                                    accumulate=True)
-            sent, got = ring_allgather_bytes([b.nbytes for b in blobs], self.rank)
+                for b in blob_payloads(data, g.layer.plan.shape):   # rank order, as above
+                    self._codecs[b.payload.strategy].decode(
+                        b.payload, g.out.reshape(b.payload.shape), accumulate=True)
+            sent, got = ring_allgather_bytes([s.nbytes for s in spans], self.rank)
             traffic[g.index] = Traffic(pushed=sent, pulled=got, messages=int(n == 0),
                                        pushed_at=pushed_at, agreed=agreed)

@@ -563,15 +563,27 @@ def payload_blob(payload):
     return blob
 
 
-def blob_payloads(data, shape):
+@dataclass
+class BlobSpan:
+    """Where one worker's blob lies in a concatenation: its codec (a name of
+    CODEC_NAMES), header scalars (floats), rows k ('rows' codecs, else 0), the byte
+    offset of its body (after the scalars; a multiple of 4) and the blob's bytes."""
+    strategy: str
+    scalars: tuple
+    k: int
+    body_at: int
+    nbytes: int
+
+
+def blob_spans(data, shape):
     """The blobs of one layer of ``shape``, concatenated (uint8 numpy, as an allgather
-    returns them) -> a Blob per worker, in order. Each Payload's ``shape`` is the flat
-    form its codec decodes into: (O, F) for a 'rows' codec (O filters of F elements),
-    (n,) otherwise; decode into ``out.reshape(payload.shape)``."""
-    data = np.ascontiguousarray(np.asarray(data, np.uint8).reshape(-1))
+    returns them) -> a BlobSpan per worker, in order, each body checked to hold what
+    its codec needs for the layer; nothing copied. ValueError naming the byte of a
+    truncated or corrupt blob."""
+    data = np.asarray(data, np.uint8).reshape(-1)
     shape = tuple(int(d) for d in shape)
     n = int(np.prod(shape)) if shape else 1
-    payloads, at = [], 0
+    spans, at = [], 0
     while at < len(data):
         if len(data) - at < BLOB_HEADER_BYTES:
             raise ValueError("blob at byte %d of %d: truncated header" % (at, len(data)))
@@ -580,20 +592,36 @@ def blob_payloads(data, shape):
                 or index >= len(CODEC_NAMES):
             raise ValueError("blob at byte %d of %d: corrupt header (%d bytes, codec %d)"
                              % (at, len(data), total, index))
-        body = data[at + BLOB_HEADER_BYTES:at + total]
         codec = _CODECS[CODEC_NAMES[index]]
-        scalars = tuple(float(v) for v in body[:4 * s].view(np.float32))
-        body = body[4 * s:]
-        cols = n // shape[0] if codec.wire == "rows" else 0
+        body_at = at + BLOB_HEADER_BYTES + 4 * s
+        scalars = tuple(float(v) for v in data[at + BLOB_HEADER_BYTES:body_at].view(np.float32))
         if codec.wire == "dense":
             need = 4 * n
         elif codec.wire == "rows":
-            need = 4 * k * (1 + cols)             # indices, then rows
+            need = 4 * k * (1 + n // shape[0])     # indices, then rows
         else:
             need = codec.byte_span(0, n)[1]
-        if len(body) < need:
+        if body_at + need > at + total:
             raise ValueError("blob at byte %d: %s body of %d bytes, a layer of shape %s "
-                             "needs %d" % (at, codec.name, len(body), shape, need))
+                             "needs %d" % (at, codec.name, at + total - body_at, shape, need))
+        spans.append(BlobSpan(codec.name, scalars, k, body_at, total))
+        at += total
+    return spans
+
+
+def blob_payloads(data, shape):
+    """The blobs of one layer of ``shape``, concatenated (uint8 numpy, as an allgather
+    returns them) -> a Blob per worker, in order. Each Payload's ``shape`` is the flat
+    form its codec decodes into: (O, F) for a 'rows' codec (O filters of F elements),
+    (n,) otherwise; decode into ``out.reshape(payload.shape)``."""
+    data = np.ascontiguousarray(np.asarray(data, np.uint8).reshape(-1))
+    shape = tuple(int(d) for d in shape)
+    n = int(np.prod(shape)) if shape else 1
+    payloads = []
+    for span in blob_spans(data, shape):
+        codec, body = _CODECS[span.strategy], data[span.body_at:]
+        cols = n // shape[0] if codec.wire == "rows" else 0
+        k = span.k
         if codec.wire == "dense":
             values = body[:4 * n].view(np.float32)
             payload = Payload(codec.name, (n,), (mx.nd.array(values),))
@@ -603,7 +631,6 @@ def blob_payloads(data, shape):
             payload = Payload(codec.name, (shape[0], cols),
                               (mx.nd.array(indices, dtype=np.int32), mx.nd.array(values)))
         else:
-            payload = codec.piece_payload(body, np.asarray(scalars, np.float32), n)
-        payloads.append(Blob(payload, total))
-        at += total
+            payload = codec.piece_payload(body, np.asarray(span.scalars, np.float32), n)
+        payloads.append(Blob(payload, span.nbytes))
     return payloads

@@ -33,7 +33,8 @@ from . import _checks, _cpp, build, formats, reference
 __all__ = ["backend", "quantize_2bit", "settle_2bit", "l1_stats", "dequantize_2bit",
            "select_kernels", "scatter_kernels", "momentum_velocity", "momentum_correct",
            "bound_rows", "sum_2bit", "decode_sums", "unpack_bytes", "pack_bytes",
-           "decode_carried_2bit", "decode_carried_sums", "sum_carried_2bit", "host_view",
+           "decode_carried_2bit", "decode_gathered_2bit", "decode_carried_sums",
+           "sum_carried_2bit", "host_view",
            "set_num_threads", "formats", "reference", "build"]
 
 _lock = threading.Lock()
@@ -440,6 +441,53 @@ def decode_carried_2bit(slots, offset, size, out=None):
         return total, bad
     build.decode_carried_2bit(slots, offset, value, size, out, bad)
     return out, bad
+
+
+def decode_gathered_2bit(data, offsets, values, size, out=None):
+    """The workers' side of an allgather of 2-bit payloads (the Horovod transport), on
+    host (numpy) arrays, on the calling thread: every worker's payload decoded and
+    summed in rank order, read where the gathered bytes hold it.
+
+    data: uint8 numpy, the gathered bytes, its address a multiple of 4. offsets: ints
+    (W,), W >= 1: worker w's 2-bit code words (quantize_2bit's, 16 codes a little-endian
+    int32 word, 4 * ceil(size/16) bytes) start at data[offsets[w]], a multiple of 4.
+    values: (W,), the value v_w each worker's codes were sent with (finite, > 0).
+    Returns float32 numpy (size,): bitwise zeros, then dequantize_2bit(codes_w, v_w,
+    accumulate=True) for w = 0 .. W-1, written into ``out`` if given (contiguous
+    float32 numpy (size,), for example a host_view). ValueError names a misplaced
+    offset or a value that is not finite and > 0.
+    One C++ pass, block by block, where the per-payload route took W copies into
+    NDArrays and W engine operations, each a pass over the layer.
+    """
+    data = np.asarray(data)
+    size = _checks.positive_int(size, "size", "decode_gathered_2bit")
+    if data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous \
+            or data.ctypes.data % 4:
+        raise ValueError("decode_gathered_2bit: data must be contiguous 1-D uint8 at an "
+                         "address that is a multiple of 4, got %s %s" % (data.dtype, data.shape))
+    offsets = np.ascontiguousarray(offsets, np.int64).reshape(-1)
+    value = np.ascontiguousarray(values, np.float32).reshape(-1)
+    if len(offsets) < 1 or len(value) != len(offsets):
+        raise ValueError("decode_gathered_2bit: one offset and one value per worker (W >= 1), "
+                         "got %d and %d" % (len(offsets), len(value)))
+    code_bytes = 4 * _checks.num_words(size)
+    for w, (at, v) in enumerate(zip(offsets, value)):
+        if at < 0 or at % 4 or at + code_bytes > len(data):
+            raise ValueError("decode_gathered_2bit: worker %d's %d code bytes cannot start at "
+                             "byte %d of %d (a multiple of 4 inside the data)"
+                             % (w, code_bytes, at, len(data)))
+        if not (np.isfinite(v) and v > 0):
+            raise ValueError("decode_gathered_2bit: worker %d's codes were sent with value "
+                             "%r; a 2-bit payload's value is finite and > 0" % (w, float(v)))
+    out = _checks.host_out(out, size, "decode_gathered_2bit")
+    if backend() != "cpp":
+        out[:] = 0
+        for at, v in zip(offsets, value):
+            words = data[at:at + code_bytes].view(np.int32)
+            out += formats.unpack_codes(words, size).astype(np.float32) * v
+        return out
+    build.decode_words_2bit(data, offsets, value, size, out)
+    return out
 
 
 def decode_carried_sums(values, scale, size, num_workers, out=None):

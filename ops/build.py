@@ -402,6 +402,17 @@ def decode_carried_2bit(slots, offset, value, size, out, bad):
        ptr(out.ctypes.data), ptr(bad.ctypes.data))
 
 
+def decode_words_2bit(data, offsets, value, size, out):
+    """The library's hylo_decode_words_2bit on C-contiguous numpy arrays (arguments
+    checked by mxhylo.ops.decode_gathered_2bit)."""
+    import ctypes
+    fn = _c_library().hylo_decode_words_2bit
+    fn.restype = None
+    ptr = ctypes.c_void_p
+    fn(ptr(data.ctypes.data), ptr(offsets.ctypes.data), ctypes.c_int64(len(offsets)),
+       ptr(value.ctypes.data), ctypes.c_int64(size), ptr(out.ctypes.data))
+
+
 def decode_carried_sums(values, size, workers, value, out):
     """The library's hylo_decode_carried_sums on C-contiguous numpy arrays (arguments
     checked by mxhylo.ops.decode_carried_sums) -> the count of bad carrier values."""

@@ -1719,6 +1719,25 @@ void decode_carried(const float* slots, int64_t rows, int64_t stride, int64_t of
   }
 }
 
+// An allgather of 2-bit payloads, on host arrays (mxhylo/kvstore/transport_horovod.py):
+// each worker's code words where the gathered bytes hold them, decoded and added in rank
+// order, block by block in L1, on the calling thread. Bitwise out = 0, then
+// dequantize_2bit(..., accumulate=True) of each worker's payload in order, as
+// decode_carried but on raw words (no carriers): one pass where that was W copies into
+// NDArrays and W engine operations, each a pass over out.
+void decode_words(const uint8_t* data, const int64_t* offsets, int64_t rows,
+                  const float* value, int64_t n, float* out) {
+  const int64_t block = 3840;  // whole code words: 240 of 16 codes
+  for (int64_t e0 = 0; e0 < n; e0 += block) {
+    const int64_t m = std::min(block, n - e0);
+    for (int64_t i = 0; i < m; ++i) out[e0 + i] = 0.f;
+    for (int64_t w = 0; w < rows; ++w) {
+      const uint32_t* codes = reinterpret_cast<const uint32_t*>(data + offsets[w]);
+      dequantize_all<1>(codes + e0 / 16, out + e0, m, value[w]);
+    }
+  }
+}
+
 // A 'sum' pull on host arrays: the packed sums carried in `values` (wire.py
 // sum_values) unpacked block by block in L1 and decoded as float32(s) * v, on the
 // calling thread. Bitwise unpack_bytes then decode_sums (the tests compare): one pass
@@ -1894,6 +1913,14 @@ __attribute__((visibility("default"))) void hylo_decode_carried_2bit(
     const float* slots, int64_t rows, int64_t stride, int64_t offset, const float* value,
     int64_t n, float* out, int64_t* bad) {
   decode_carried(slots, rows, stride, offset, value, n, out, bad);
+}
+// mxhylo.ops.decode_gathered_2bit (see decode_words): data the gathered bytes; offsets
+// (rows,): where row w's code words start, multiples of 4; value (rows,): what each
+// row's codes were sent with; out float32 (n,).
+__attribute__((visibility("default"))) void hylo_decode_words_2bit(
+    const uint8_t* data, const int64_t* offsets, int64_t rows, const float* value, int64_t n,
+    float* out) {
+  decode_words(data, offsets, rows, value, n, out);
 }
 // mxhylo.ops.decode_carried_sums (see decode_carried_sums): values float32, the packed
 // sums of n elements for `workers` workers carried; out float32 (n,); returns the

@@ -1,7 +1,9 @@
 """The shared_2bit codec in real jobs, over the parameter servers' 'sum' pull
 (mxhylo.launch, 2 servers) and over Horovod's allgather (horovodrun): every worker
 ends, bitwise, with what kvstore.simulate computes in one process for the same
-gradients, and agrees on the same scale."""
+gradients, and agrees on the same scale. And fc_2bit over Horovod, whose gathered
+payloads are decoded in one pass where the allgather wrote them
+(ops.decode_gathered_2bit), against the same simulation."""
 import importlib.util
 import json
 import os
@@ -30,25 +32,26 @@ def _script():
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 
 
-def _launch(launcher, workers, out):
+def _launch(launcher, workers, out, codec):
     """The job's command: mxhylo.launch with 2 servers, or horovodrun (Gloo)."""
     if launcher == "ps":
         return [sys.executable, "-m", "mxhylo.launch", "-n", str(workers), "-s", "2",
-                "--timeout", "150", sys.executable, SCRIPT, out]
+                "--timeout", "150", sys.executable, SCRIPT, out, codec]
     return [HOROVODRUN, "-np", str(workers), "-H", "localhost:%d" % workers, "--gloo",
-            sys.executable, SCRIPT, out]
+            sys.executable, SCRIPT, out, codec]
 
 
-@pytest.mark.parametrize("launcher, workers", [
-    ("ps", 2),
+@pytest.mark.parametrize("launcher, workers, codec", [
+    ("ps", 2, "shared_2bit"),
     # Horovod sums the allgathered payloads with the simulation's own functions
     # (kvstore.wire.sum_payloads, decode_sums)
-    pytest.param("horovod", 2, marks=pytest.mark.slow),
+    pytest.param("horovod", 2, "shared_2bit", marks=pytest.mark.slow),
+    ("horovod", 2, "fc_2bit"),
     # 6 processes on the servers' sum: the same path as W = 2 with more slots
-    pytest.param("ps", 4, marks=pytest.mark.slow)])
-def test_real_jobs_sum_pull_is_the_simulation_bitwise(tmp_path, launcher, workers):
+    pytest.param("ps", 4, "shared_2bit", marks=pytest.mark.slow)])
+def test_real_jobs_sum_pull_is_the_simulation_bitwise(tmp_path, launcher, workers, codec):
     out = str(tmp_path / "shared-{rank}")
-    proc = subprocess.Popen(_launch(launcher, workers, out), cwd=ROOT, text=True,
+    proc = subprocess.Popen(_launch(launcher, workers, out, codec), cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
@@ -59,7 +62,7 @@ def test_real_jobs_sum_pull_is_the_simulation_bitwise(tmp_path, launcher, worker
         pytest.fail("the job timed out:\n" + log[-3000:])
     assert proc.returncode == 0, log[-4000:]
     script = _script()
-    plan = LayerPlan(name="fc", shape=script.SHAPE, strategy="shared_2bit")
+    plan = LayerPlan(name="fc", shape=script.SHAPE, strategy=codec)
     sim = SimulatedWorkers(workers)
     rngs = [np.random.RandomState(script.SEED + w) for w in range(workers)]
     got = [np.load(out.format(rank=w) + ".npz") for w in range(workers)]
@@ -71,12 +74,12 @@ def test_real_jobs_sum_pull_is_the_simulation_bitwise(tmp_path, launcher, worker
                                           err_msg="rank %d, step %d" % (w, step))
             for agreed in ("threshold", "value"):
                 assert float(got[w]["%s/%d" % (agreed, step)]) == \
-                    sim.memories[0].scalar("fc", "shared_" + agreed)
-        if step == 0:
+                    (sim.memories[0].scalar("fc", "shared_" + agreed) or 0.0)
+        if step == 0 and codec == "shared_2bit":
             assert not want.any()           # the first step agrees the scale, sends nothing
     assert np.abs(want).max() > 0
     info = json.load(open(out.format(rank=0)))
-    assert info["policy"] == "shared_2bit"
+    assert info["policy"] == codec
     if launcher == "ps":
         assert info["transport"] == "ps" and info["pulls"] == ["sum"] * 3
         # what the transport counted is the layouts' pull: the sums, not W payloads

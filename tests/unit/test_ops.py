@@ -921,6 +921,19 @@ def gather_slots(carriers, p):
     return np.concatenate([values[:, None], carriers], axis=1)
 
 
+def gathered_blobs(words, p):
+    """An allgather's bytes holding each worker's code words (rows of ``words``) after
+    a header of 4-12 bytes, as blobs do: (data, offsets, values)."""
+    parts, offsets, at = [], [], 0
+    for w, row in enumerate(words):
+        header = np.full(4 + 4 * (w % 3), 0xAB, np.uint8)
+        parts += [header, row.view(np.uint8)]
+        offsets.append(at + len(header))
+        at += len(header) + row.nbytes
+    values = [worker_value(p, w) for w in range(len(words))]
+    return np.concatenate(parts), offsets, values
+
+
 def isa_child(path):
     """Run every isa_inputs() case through this process's build; save the outputs."""
     out = {"build_info": np.array(repr(build.build_info()))}
@@ -957,6 +970,8 @@ def isa_child(path):
             out[name + "/carried"] = ops.sum_carried_2bit(slots, 0, y.size)[0]
             out[name + "/gathered"] = ops.decode_carried_2bit(gather_slots(slots, p), 1,
                                                               y.size)[0]
+            out[name + "/gathered_words"] = ops.decode_gathered_2bit(*gathered_blobs(x, p),
+                                                                     y.size)
             out[name + "/uncarried"] = ops.unpack_bytes(nd(slots), 4 * x.shape[1])[0].asnumpy()
             out[name + "/summed_pull"] = ops.decode_carried_sums(
                 sums.pack_bytes(packed.asnumpy()), p, y.size, len(x))[0]
@@ -1069,6 +1084,8 @@ def test_native_build_matches_numpy(isa_outputs):
             for w, words in enumerate(x):
                 gathered += sums.unpack_codes(words, y.size).astype(F32) * worker_value(p, w)
             np.testing.assert_array_equal(bits(out[name + "/gathered"]), bits(gathered),
+                                          err_msg=name)
+            np.testing.assert_array_equal(bits(out[name + "/gathered_words"]), bits(gathered),
                                           err_msg=name)
             np.testing.assert_array_equal(bits(out[name + "/slot"]),
                                           bits(sums.pack_bytes(x[-1].view(np.uint8))),

@@ -334,3 +334,52 @@ def test_flat_is_a_one_dimensional_view_of_the_same_memory():
     f[5:7] = -1
     assert a.asnumpy()[0, 1, 1] == -1 and a.asnumpy()[0, 1, 2] == -1
     np.testing.assert_array_equal(flat(a[1]).asnumpy(), np.arange(12, 24))
+
+
+@pytest.mark.parametrize("workers,shape", [(1, (40,)), (3, (6, 5, 3, 3)), (4, (1000, 33))])
+def test_a_gathered_2bit_layer_decodes_in_one_pass_as_payload_by_payload(workers, shape):
+    """The Horovod transport's decode of an allgather of 2-bit blobs (read in place,
+    one pass) writes bitwise what decoding each worker's payload in rank order writes,
+    into the layer's own array; a blob whose value is not a 2-bit payload's is named."""
+    from mxhylo.kvstore.wire import blob_payloads, blob_spans, payload_blob
+    codec = make_compressors()["fc_2bit"]
+    rng = np.random.RandomState(workers)
+    blobs = []
+    for w in range(workers):
+        g = mx.nd.array(rng.randn(*shape).astype(np.float32) * 10.0 ** (w - 1))
+        words, stats = ops.quantize_2bit(g, mx.nd.zeros(shape), 0.8 * g.abs().mean().asscalar())
+        blobs.append(payload_blob(Payload("fc_2bit", shape, (words,),
+                                          (float(stats.asnumpy()[2]),))))
+    data = np.concatenate(blobs)
+    one_pass = mx.nd.ones(shape)
+    codec.decode_gathered(data, blob_spans(data, shape), int(np.prod(shape)), one_pass)
+    each = mx.nd.zeros(shape)
+    for blob in blob_payloads(data, shape):
+        codec.decode(blob.payload, each.reshape(blob.payload.shape), accumulate=True)
+    assert np.abs(each.asnumpy()).sum() > 0
+    np.testing.assert_array_equal(one_pass.asnumpy().view(np.uint32),
+                                  each.asnumpy().view(np.uint32))
+    bad = data.copy()
+    span = blob_spans(bad, shape)[-1]
+    bad[span.body_at - 4:span.body_at] = np.array([-1.0], np.float32).view(np.uint8)
+    with pytest.raises(ValueError, match="worker %d's codes were sent with value -1"
+                       % (workers - 1)):
+        codec.decode_gathered(bad, blob_spans(bad, shape), int(np.prod(shape)), one_pass)
+    with pytest.raises(ValueError, match="truncated|corrupt|needs"):
+        blob_spans(data[:-4], shape)
+
+
+def test_decode_gathered_2bit_refuses_what_it_cannot_read():
+    """Offsets that are not multiples of 4 or run past the data, and unequal numbers of
+    offsets and values, are refused with the problem named."""
+    data = np.zeros(64, np.uint8)
+    with pytest.raises(ValueError, match="cannot start at byte 2"):
+        ops.decode_gathered_2bit(data, [2], [1.0], 16)
+    with pytest.raises(ValueError, match="cannot start at byte 64"):
+        ops.decode_gathered_2bit(data, [0, 64], [1.0, 1.0], 16)
+    with pytest.raises(ValueError, match="one offset and one value per worker"):
+        ops.decode_gathered_2bit(data, [0, 4], [1.0], 16)
+    with pytest.raises(ValueError, match="address that is a multiple of 4"):
+        ops.decode_gathered_2bit(data[1:], [0], [1.0], 16)
+    np.testing.assert_array_equal(ops.decode_gathered_2bit(data, [0, 4], [1.0, 2.0], 17),
+                                  np.zeros(17, np.float32))
