@@ -80,6 +80,9 @@ def test_k_micro_batches_step_like_one_batch_k_times_larger(store, hybridize):
         _close(_params(acc), _params(big))
     assert (sched.updates, sched.micro_batches, sched.pending) == (updates, k * updates, 0)
     assert t_acc._optimizer.num_update == t_big._optimizer.num_update == updates
+    # backward kept writing (MXNet's grad_req='add' backward is slower): the sums are
+    # the schedule's own
+    assert {p.grad_req for p in acc.collect_params().values()} == {"write"}
 
 
 def test_the_batch_grows_at_its_milestone_with_the_lr_scaled_linearly():
@@ -262,6 +265,10 @@ def test_schedules_that_cannot_work_are_refused():
     t, net = trainer()
     _step(net, t, x, y)
     with pytest.raises(ValueError, match="before the Trainer's first step"):
+        schedules.attach(t, iters_per_epoch=1, batch=schedules.StepBatch([1]))
+    t, net = trainer()
+    net.collect_params().setattr("grad_req", "add")
+    with pytest.raises(ValueError, match="grad_req='add'"):
         schedules.attach(t, iters_per_epoch=1, batch=schedules.StepBatch([1]))
     t, _ = trainer()
     with pytest.raises(ValueError, match="iters_per_epoch must be"):
