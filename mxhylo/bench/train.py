@@ -466,23 +466,50 @@ def plot_speed(out, path):
 
 
 def plot_tta(out, path):
+    """Accuracy against training seconds, every mode and seed; with a *_dynamic mode,
+    a panel below of the batch each update took (the momentum stays --momentum)."""
     plt = report.pyplot()
     cfg = out["config"]
-    fig, ax = plt.subplots(figsize=(8, 5))
+    dynamic = any(mode(m).batch_schedule for m in out["runs"])
+    if dynamic:
+        fig, (ax, bx) = plt.subplots(2, 1, figsize=(8, 7), sharex=True,
+                                     gridspec_kw={"height_ratios": (3, 1)})
+    else:
+        fig, ax = plt.subplots(figsize=(8, 5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for j, (m, rs) in enumerate(out["runs"].items()):
         for k, r in enumerate(x for x in rs if x["status"] == "ok"):
-            ax.plot([h["train_s"] for h in r["history"]], [h["accuracy"] for h in r["history"]],
+            seconds = [h["train_s"] for h in r["history"]]
+            ax.plot(seconds, [h["accuracy"] for h in r["history"]],
                     ("-", "--", ":", "-.")[k % 4], marker=".", color=colors[j % len(colors)],
                     label="%s seed %d" % (m, r["seed"]))
+            if dynamic and k == 0:
+                bx.stairs(update_batches(m, r, cfg), [0.0] + seconds, color=colors[j % len(colors)],
+                          label=m, baseline=None)
     ax.axhline(cfg["target"], color="k", lw=0.8, ls="--")
-    ax.set(xlabel="training seconds (evaluation excluded)", ylim=(max(0, cfg["target"] - 0.35), 1),
-           ylabel="validation accuracy (rank 0)")
+    ax.set(ylim=(max(0, cfg["target"] - 0.35), 1), ylabel="validation accuracy (rank 0)")
     ax.legend(fontsize=7, ncol=2)
+    last = bx if dynamic else ax
+    last.set(xlabel="training seconds (evaluation excluded)")
+    if dynamic:
+        bx.set(ylabel="samples per update\n(momentum %g)" % cfg["momentum"], yscale="log",
+               title="first seed of each mode, epoch by epoch")
+        bx.set_yscale("log", base=2)
+        bx.yaxis.set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
+        bx.title.set_fontsize(8)
+        bx.legend(fontsize=7)
     report.save(fig, path, report.caption(out, "time to accuracy: %s %d px on the digits, "
                                           "%d workers, %d servers, %s (emulated)" % (
                                               cfg["tta_model"], cfg["tta_size"], cfg["workers"],
                                               cfg["servers"], cfg["rate"])))
+
+
+def update_batches(name, run, cfg):
+    """Samples per update in each epoch of mode ``name``'s tta run: --tta-batch-size *
+    workers * k, k doubled at each --tta-batch-schedule epoch (*_dynamic), else 1."""
+    growth = cfg["batch_schedule"] if mode(name).batch_schedule else []
+    return [cfg["tta_batch_size"] * cfg["workers"] * 2 ** sum(1 for g in growth if e >= g)
+            for e in range(len(run["history"]))]
 
 
 # ----------------------------------------------------------------------------- worker

@@ -98,6 +98,20 @@ def test_time_to_accuracy_pairs_seeds_and_names_the_best_peer():
     assert any("not hit" in l for l in train.tta_table({"runs": runs, "summary": s}))
 
 
+def test_the_tta_plot_shows_the_batch_each_update_took(tmp_path):
+    """k doubles at each --tta-batch-schedule epoch for a *_dynamic mode only; the plot
+    gets its panel and is written."""
+    cfg = {"tta_batch_size": 32, "workers": 4, "batch_schedule": [2.0, 4.0], "momentum": 0.9,
+           "target": 0.95, "tta_model": "m", "tta_size": 16, "servers": 2, "rate": "1gbit"}
+    run = _tta(4.0, [0.5, 0.9, 0.96, 0.97, 0.97], 0)
+    assert train.update_batches("hylo_dynamic", run, cfg) == [128, 128, 256, 256, 512]
+    assert train.update_batches("hylo", run, cfg) == [128] * 5
+    out = {"config": dict(cfg, task="tta"), "machine": {}, "suite": "train",
+           "runs": {"hylo": [run], "hylo_dynamic": [run]}}
+    train.plot(out, str(tmp_path / "tta.png"))
+    assert (tmp_path / "tta.png").read_bytes()[:4] == b"\x89PNG"
+
+
 # default run: the harness's arithmetic and checks above; its jobs: --runslow
 @pytest.mark.slow
 @needs_netns
