@@ -60,6 +60,8 @@ update (``trainer.schedules.pending == 0``).
 """
 import math
 
+import mxnet as mx
+
 LR_SCALINGS = ("linear", None)
 
 
@@ -243,32 +245,49 @@ class GradientSums:
     ``add(first, last)`` after it: the first micro-batch's gradients are copied into
     the sums, the next ones added to them, and the last one's gradients get the sums
     added (g_k + (g_1 + ... + g_{k-1}): float addition commutes, so this is the sum
-    backward would have accumulated in order). The buffers live here, not in the
-    schedules' state that checkpoints take (a checkpoint is written between updates,
-    when nothing is pending)."""
+    backward would have accumulated in order). A gradient backward did not write in a
+    micro-batch (a parameter that micro-batch did not use: MXNet's stale gradient)
+    adds nothing; its flag is cleared after each micro-batch but the last, so that the
+    Trainer's own check sees the last one, and a parameter used in an earlier
+    micro-batch only gets the sum and counts as written. The buffers live here, not
+    in the schedules' state that checkpoints take (a checkpoint is written between
+    updates, when nothing is pending)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
         self.buffers = None     # one per gradient array, made at the first k > 1
+        self.written = None     # per gradient array: written in this accumulation
 
-    def _grads(self):
-        return [g for p in self.trainer._params if p.grad_req != "null"
-                for g in p.list_grad()]
+    def _pairs(self):
+        """(weight array, its gradient array) of every trained parameter and device:
+        MXNet keeps the 'written by backward' flag on the weight."""
+        return [pair for p in self.trainer._params if p.grad_req != "null"
+                for pair in zip(p.list_data(), p.list_grad())]
 
     def add(self, first, last):
-        grads = self._grads()
+        pairs = self._pairs()
         if first:                           # (k > 1: a first micro-batch is not the last)
-            if self.buffers is None or len(self.buffers) != len(grads):
-                self.buffers = [g.copy() for g in grads]
-            else:
-                for g, b in zip(grads, self.buffers):
+            if self.buffers is None or len(self.buffers) != len(pairs):
+                self.buffers = [mx.nd.zeros_like(g) for _, g in pairs]
+            self.written = [False] * len(pairs)
+        for i, ((w, g), b) in enumerate(zip(pairs, self.buffers)):
+            fresh = bool(w._fresh_grad)
+            if last:
+                if fresh:
+                    g += b
+                elif self.written[i]:
+                    b.copyto(g)
+                    w._fresh_grad = True
+                continue
+            if fresh:
+                if self.written[i]:
+                    b += g
+                else:
                     g.copyto(b)
-        elif last:
-            for g, b in zip(grads, self.buffers):
-                g += b
-        else:
-            for g, b in zip(grads, self.buffers):
-                b += g
+                self.written[i] = True
+            elif first:
+                b[:] = 0
+            w._fresh_grad = False
 
 
 def attach(trainer, iters_per_epoch, batch=None, momentum=None, lr_scaling="linear"):

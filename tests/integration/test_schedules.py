@@ -273,3 +273,49 @@ def test_schedules_that_cannot_work_are_refused():
     t, _ = trainer()
     with pytest.raises(ValueError, match="iters_per_epoch must be"):
         schedules.attach(t, iters_per_epoch=0, batch=schedules.StepBatch([1]))
+
+
+class _TwoHeads(gluon.nn.HybridBlock):
+    """A body and two heads; each micro-batch uses one head (a conditional net)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        with self.name_scope():
+            self.body = gluon.nn.Dense(8, activation="tanh", in_units=IN)
+            self.a = gluon.nn.Dense(OUT, in_units=8)
+            self.b = gluon.nn.Dense(OUT, in_units=8)
+
+    def forward(self, x, head):
+        return getattr(self, head)(self.body(x))
+
+
+def test_a_parameter_a_micro_batch_did_not_use_adds_nothing():
+    """k = 2, head 'a' in the first micro-batch only, head 'b' in the second only: each
+    head's update holds its own micro-batch's gradient, not a stale one from the last
+    update (the reference: backward with grad_req='add' into zeroed gradients)."""
+    opts = {"learning_rate": 0.1, "momentum": 0.9}
+    data = _batches(6)
+    nets = []
+    for _ in range(2):
+        mx.random.seed(0)
+        net = _TwoHeads(prefix="heads_")
+        net.initialize(mx.init.Xavier())
+        nets.append(net)
+    acc, ref = nets
+    t_acc = gluon.Trainer(acc.collect_params(), "sgd", dict(opts))
+    schedules.attach(t_acc, iters_per_epoch=6, batch=schedules.StepBatch([], base=2))
+    ref.collect_params().setattr("grad_req", "add")
+    t_ref = gluon.Trainer(ref.collect_params(), "sgd", dict(opts))
+    for i, (x, y) in enumerate(data):
+        head = "ab"[i % 2]
+        for net in (acc, ref):
+            with autograd.record():
+                loss = LOSS(net(x, head), y)
+            loss.backward()
+        t_acc.step(MICRO)
+        if i % 2:
+            t_ref.step(2 * MICRO)
+            ref.collect_params().zero_grad()
+    got = {k[len("heads_"):]: v for k, v in _params(acc).items()}
+    want = {k[len("heads_"):]: v for k, v in _params(ref).items()}
+    _close(got, want)
