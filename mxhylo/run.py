@@ -164,14 +164,22 @@ class DistributedPatches:
        on top of the schedule's own reading), the lr scaled by k (``batch_lr``
        'linear') or not ('none').
 
+    7. With ``sync_batchnorm`` (--sync-batchnorm): every Gluon BatchNorm layer
+       normalizes a training batch with the mean and variance of all W workers'
+       batches and keeps running statistics that are the same on every worker
+       (mxhylo.sync_batchnorm: two round trips per layer and step). Why: each worker
+       otherwise normalizes over its own b samples, where one process normalizes
+       over W*b; with small per-worker batches that trains worse.
+
     Not patched: gluon.data.DataLoader and other readers (every worker reads all of
     them), learning rates or schedules the script computes from steps it counts
     itself, and Trainers the script gives a kvstore (it is distributed-aware).
     """
 
     def __init__(self, kv, shard_all_readers=False, say=None, batch_schedule=None,
-                 batch_lr="linear"):
+                 batch_lr="linear", sync_batchnorm=False):
         self.kv = kv
+        self.sync_batchnorm = bool(sync_batchnorm)
         self.shard_all_readers = bool(shard_all_readers)
         self.say = say or _say
         self.batch_schedule, self.batch_lr = batch_schedule, batch_lr
@@ -283,10 +291,20 @@ class DistributedPatches:
         if getattr(mx.kv.base, "create", None) is kv_create:
             self._set(mx.kv.base, "create", create_returns_job_store)
 
+        if self.sync_batchnorm:
+            from mxhylo import sync_batchnorm
+            # (a collective: the reducer's address travels through the job's store)
+            undo = sync_batchnorm.install(sync_batchnorm.join(kv))
+            self._undo.append((None, None, undo))
+            self.say("BatchNorm: statistics over all %d workers' batches" % num_workers)
+
     def uninstall(self):
         while self._undo:
             owner, attr, value = self._undo.pop()
-            setattr(owner, attr, value)
+            if owner is None:
+                value()                         # an undo function
+            else:
+                setattr(owner, attr, value)
 
 
 def reader_batches(path_imgidx, batch_size, num_parts):
@@ -334,7 +352,8 @@ def run_worker(args):
     try:
         with DistributedPatches(kv, shard_all_readers=args.shard_all_readers,
                                 batch_schedule=args.batch_schedule,
-                                batch_lr=args.batch_lr):
+                                batch_lr=args.batch_lr,
+                                sync_batchnorm=args.sync_batchnorm):
             run_script(args.script, args.script_args)
     except SystemExit as exc:
         code = exc.code
@@ -390,6 +409,10 @@ def build_parser():
     p.add_argument("--batch-lr", choices=("linear", "none"), default="linear",
                    help="with --batch-schedule: the lr times k (linear, the default), or "
                         "the script's own (none: the growing batch replaces lr decay)")
+    p.add_argument("--sync-batchnorm", action="store_true",
+                   help="BatchNorm layers normalize over all workers' batches, as one "
+                        "process with batch W*b would (two round trips per layer and step; "
+                        "running statistics the same on every worker)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER,
                    help="its arguments (everything after SCRIPT)")

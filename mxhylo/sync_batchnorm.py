@@ -1,0 +1,354 @@
+"""BatchNorm over every worker's batch: ``python -m mxhylo.run --sync-batchnorm``.
+
+W workers with batch b each normalize over their own b samples, where one process with
+batch W*b normalizes over all of them; on small per-worker batches (and small maps
+late in a net) that trains measurably worse. With --sync-batchnorm every Gluon
+BatchNorm layer, in training, normalizes with the mean and variance of the whole
+batch of all W workers, back-propagates through those statistics as one process
+would, and keeps running statistics that are the same on every worker. Evaluation
+(not training) uses the running statistics, as Gluon's BatchNorm does.
+
+One gradient's way through a layer, forward then backward:
+
+1. ``mxhylo_sync_moments`` (a CustomOp, so it runs inside hybridized graphs too)
+   reduces its input x (N, C, ...) to per-channel sums on this worker: n, n*mean and
+   the centred sum of squares plus n*mean^2 (float64, 1 + 2C values), sums them over
+   the workers (Reducer, one round trip), and outputs the whole batch's mean and
+   biased variance, shaped (1, C, 1, ...) to broadcast against x. It also moves the
+   layer's running statistics (momentum as the layer's), as MXNet's BatchNorm does.
+2. The layer normalizes x with them in ordinary operators (autograd differentiates).
+3. Backward of 1: the loss is the sum of every worker's loss, and every worker's
+   statistics depend on every worker's x, so the gradients d(mean), d(var) (2C values)
+   are summed over the workers (one more round trip) before
+   dx = (sum d(mean) + 2 sum d(var) (x - mean)) / n.
+
+Cost: two round trips per BatchNorm layer and step (53 layers in resnet50_v1b) of
+8 + 16 C bytes each, and normalization in a few broadcast operators instead of
+MXNet's fused BatchNorm.
+
+The Reducer is a small TCP service on the rank-0 worker: every worker connects to
+it, sends (key, its values) and gets back the sum over the W workers, summed in rank
+order so every worker receives the same bytes. Its address reaches the workers
+through the job's store (one ``broadcast`` at start-up), so it runs under every
+launcher the store runs under. A worker that stops leaves the others waiting at most
+``timeout`` seconds, then their step fails with an error that says so.
+"""
+import os
+import socket
+import struct
+import threading
+
+import mxnet as mx
+import numpy as np
+
+OP_TYPE = "mxhylo_sync_moments"
+# The store key of the address (an int: MXNet's stores refuse a mix of int and str keys,
+# and Gluon's Trainer uses ints from 0 up).
+ADDRESS_KEY = 2 ** 31 - 1
+TIMEOUT_S = 300.0
+
+_HELLO = struct.Struct("!I")            # rank
+_HEAD = struct.Struct("!HI")            # key length (bytes), values (float64 count)
+
+
+# ----------------------------------------------------------------------------- the reducer
+
+def _recv_exact(sock, n):
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("connection closed")
+        got += k
+    return bytes(buf)
+
+
+class _Round:
+    """One key's sum in progress: rank -> values; finished sums by generation."""
+
+    def __init__(self):
+        self.generation = 0
+        self.parts = {}
+        self.results = {}                   # generation -> [sum, readers left]
+
+
+class Reducer:
+    """Sums float64 vectors over the W workers, by key (rank 0 hosts the service).
+
+    ``sum(key, values)`` blocks until every worker has given ``values`` for ``key``
+    and returns their sum (added in rank order: every worker gets the same bytes).
+    Each worker calls it with the same keys, in any order, from any thread.
+    """
+
+    def __init__(self, rank, num_workers, address, timeout=TIMEOUT_S, listener=None):
+        self.rank, self.num_workers = int(rank), int(num_workers)
+        self.address, self.timeout = address, float(timeout)
+        self._local = threading.local()
+        self._rounds = {}
+        self._cond = threading.Condition()
+        if listener is not None:
+            threading.Thread(target=self._serve, args=(listener,), daemon=True,
+                             name="mxhylo-syncbn-reducer").start()
+
+    # -- worker side
+    def sum(self, key, values):
+        """Sum of ``values`` (1-D float64, the same length on every worker) over the workers."""
+        values = np.ascontiguousarray(values, dtype=np.float64).ravel()
+        if self.num_workers == 1:
+            return values.copy()
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            sock = socket.create_connection(self.address, timeout=self.timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(_HELLO.pack(self.rank))
+            self._local.sock = sock
+        name = key.encode()
+        try:
+            sock.sendall(_HEAD.pack(len(name), values.size) + name + values.tobytes())
+            count, = struct.unpack("!I", _recv_exact(sock, 4))
+            if count != values.size:
+                raise RuntimeError(_recv_exact(sock, count).decode(errors="replace"))
+            return np.frombuffer(_recv_exact(sock, 8 * count), dtype=np.float64).copy()
+        except (OSError, ConnectionError) as exc:
+            self._local.sock = None
+            raise RuntimeError(
+                "sync BatchNorm: no sum for %r from the rank-0 worker's reducer at %s:%d "
+                "within %g s (%s): a worker stopped or fell behind"
+                % (key, self.address[0], self.address[1], self.timeout, exc)) from None
+
+    # -- rank 0's service
+    def _serve(self, listener):
+        while True:
+            conn, _ = listener.accept()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve_worker, args=(conn,), daemon=True).start()
+
+    def _serve_worker(self, conn):
+        try:
+            rank, = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+            while True:
+                klen, count = _HEAD.unpack(_recv_exact(conn, _HEAD.size))
+                key = _recv_exact(conn, klen).decode()
+                values = np.frombuffer(_recv_exact(conn, 8 * count), dtype=np.float64)
+                try:
+                    total = self._contribute(key, rank, values)
+                except RuntimeError as exc:
+                    msg = str(exc).encode()
+                    conn.sendall(struct.pack("!I", len(msg)) + msg)
+                    continue
+                conn.sendall(struct.pack("!I", total.size) + total.tobytes())
+        except (OSError, ConnectionError):
+            pass
+        finally:
+            conn.close()
+
+    def _contribute(self, key, rank, values):
+        with self._cond:
+            r = self._rounds.setdefault(key, _Round())
+            if r.parts and next(iter(r.parts.values())).size != values.size:
+                raise RuntimeError("sync BatchNorm: workers give %r different lengths "
+                                   "(%d and %d): are their nets the same?"
+                                   % (key, next(iter(r.parts.values())).size, values.size))
+            gen = r.generation
+            r.parts[rank] = values
+            if len(r.parts) == self.num_workers:
+                total = np.zeros_like(values)
+                for k in sorted(r.parts):
+                    total += r.parts[k]
+                r.results[gen] = [total, self.num_workers]
+                r.parts, r.generation = {}, gen + 1
+                self._cond.notify_all()
+            elif not self._cond.wait_for(lambda: gen in r.results, self.timeout):
+                raise RuntimeError("sync BatchNorm: %r waited %g s for workers %s"
+                                   % (key, self.timeout, sorted(
+                                       set(range(self.num_workers)) - set(r.parts))))
+            result = r.results[gen]
+            result[1] -= 1
+            if result[1] == 0:
+                del r.results[gen]
+            return result[0]
+
+
+def _reachable_ip():
+    """This host's address as the job's other hosts reach it: the source address of
+    the route to the scheduler (ps-lite) or to horovodrun's rendezvous."""
+    host = os.environ.get("DMLC_NODE_HOST")
+    if host:
+        return host
+    peer = os.environ.get("DMLC_PS_ROOT_URI") or \
+        os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR") or "127.0.0.1"
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect((peer, 9))                # (UDP: nothing is sent)
+        return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        s.close()
+
+
+def join(kv, timeout=TIMEOUT_S):
+    """The job's Reducer: rank 0 starts it, and its address reaches every worker
+    through ``kv.broadcast`` (a collective: every worker calls join once, at start)."""
+    listener = None
+    address = np.zeros(5, dtype=np.float32)
+    if kv.rank == 0:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("0.0.0.0", 0))
+        listener.listen(128)
+        ip = _reachable_ip()
+        address[:4] = [int(p) for p in socket.inet_aton(ip)]
+        address[4] = listener.getsockname()[1]
+    out = mx.nd.zeros(5)
+    kv.broadcast(ADDRESS_KEY, mx.nd.array(address), out=out)
+    got = out.asnumpy().astype(int)
+    ip = ".".join(str(p) for p in got[:4])
+    return Reducer(kv.rank, kv.num_workers, (ip, int(got[4])), timeout, listener)
+
+
+# ----------------------------------------------------------------------------- the operator
+
+_REDUCER = None
+
+
+class _SyncMoments(mx.operator.CustomOp):
+    """This worker's moments -> the whole batch's, over every worker.
+
+    Inputs: m (1, C, 1, ...), this worker's per-channel mean; q (same shape), its
+    centred sum of squares sum((x - m)^2); size (1,) float64, x.size; gamma and beta
+    (C,), not read (there for shape inference). Outputs: the mean and biased variance
+    of the W workers' batches together, shaped as m. Aux: the running mean and
+    variance (C,), moved in training; returned as they are in evaluation.
+
+    The moments are combined in float64 (Chan et al.'s pairwise formula), so the
+    variance keeps its precision when the mean is large against the spread.
+    """
+
+    def __init__(self, key, momentum):
+        super().__init__()
+        if _REDUCER is None:
+            raise RuntimeError("sync BatchNorm: no reducer (mxhylo.sync_batchnorm.install "
+                               "was not called, or was undone)")
+        self.reducer = _REDUCER         # (taken now: the operator runs later, async)
+        self.key, self.momentum = key, float(momentum)
+        self.samples = None             # this worker's samples per channel, n_w
+        self.total = None               # all workers', n
+
+    def forward(self, is_train, req, in_data, out_data, aux):
+        shape = out_data[0].shape
+        if not is_train:
+            self.assign(out_data[0], req[0], aux[0].reshape(shape))
+            self.assign(out_data[1], req[1], aux[1].reshape(shape))
+            return
+        m = in_data[0].asnumpy().astype(np.float64).ravel()
+        q = in_data[1].asnumpy().astype(np.float64).ravel()
+        n = float(in_data[2].asnumpy()[0]) / m.size
+        total = self.reducer.sum(self.key + ":forward", np.concatenate([[n], n * m, q + n * m * m]))
+        c = m.size
+        count = total[0]
+        mean = total[1:1 + c] / count
+        var = np.maximum(total[1 + c:] / count - mean * mean, 0.0)
+        self.samples, self.total = n, count
+        dtype = out_data[0].dtype
+        self.assign(out_data[0], req[0], mx.nd.array(mean.reshape(shape), dtype=dtype))
+        self.assign(out_data[1], req[1], mx.nd.array(var.reshape(shape), dtype=dtype))
+        mo = self.momentum
+        aux[0][:] = aux[0] * mo + mx.nd.array(mean, dtype=aux[0].dtype) * (1 - mo)
+        aux[1][:] = aux[1] * mo + mx.nd.array(var, dtype=aux[1].dtype) * (1 - mo)
+
+    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+        # The job's loss is the sum of every worker's, and every worker's outputs depend
+        # on every worker's moments: sum the output gradients over the workers first.
+        g_mean = out_grad[0].asnumpy().astype(np.float64).ravel()
+        g_var = out_grad[1].asnumpy().astype(np.float64).ravel()
+        c = g_mean.size
+        total = self.reducer.sum(self.key + ":backward", np.concatenate([g_mean, g_var]))
+        g_mean, g_var = total[:c], total[c:]
+        m = in_data[0].asnumpy().astype(np.float64).ravel()
+        mean = out_data[0].asnumpy().astype(np.float64).ravel()
+        share = self.samples / self.total
+        shape, dtype = in_data[0].shape, in_data[0].dtype
+        d_m = share * (g_mean + 2.0 * (m - mean) * g_var)      # d mean/dm, d var/dm
+        d_q = np.broadcast_to(g_var / self.total, (c,))        # d var/dq
+        self.assign(in_grad[0], req[0], mx.nd.array(d_m.reshape(shape), dtype=dtype))
+        self.assign(in_grad[1], req[1], mx.nd.array(d_q.reshape(shape), dtype=dtype))
+        for i in (2, 3, 4):                 # size, gamma, beta: no gradient through here
+            self.assign(in_grad[i], req[i], mx.nd.zeros_like(in_grad[i]))
+
+
+@mx.operator.register(OP_TYPE)
+class _SyncMomentsProp(mx.operator.CustomOpProp):
+    def __init__(self, key, momentum="0.9"):
+        super().__init__(need_top_grad=True)
+        self.key, self.momentum = key, float(momentum)
+
+    def list_arguments(self):
+        return ["mean", "centred_squares", "size", "gamma", "beta"]
+
+    def list_outputs(self):
+        return ["mean", "var"]
+
+    def list_auxiliary_states(self):
+        return ["running_mean", "running_var"]
+
+    def infer_shape(self, in_shape):
+        stat = list(in_shape[0])
+        channel = [int(np.prod(stat))]
+        return [stat, stat, [1], channel, channel], [stat, stat], [channel, channel]
+
+    def infer_type(self, in_type):
+        t = in_type[0]
+        return [t, t, np.float64, t, t], [t, t], [t, t]
+
+    def create_operator(self, ctx, shapes, dtypes):
+        return _SyncMoments(self.key, self.momentum)
+
+
+# ----------------------------------------------------------------------------- the layer
+
+def _sync_forward(block, F, x, gamma, beta, running_mean, running_var):
+    """_BatchNorm.hybrid_forward over every worker's batch (same kwargs, same output)."""
+    kw = block._kwargs
+    axis = kw.get("axis", 1)
+    # this worker's moments, by channel: (1, C, 1, ...) to broadcast against x
+    m = F.mean(x, axis=axis, exclude=True, keepdims=True)
+    q = F.sum(F.square(F.broadcast_sub(x, m)), axis=axis, exclude=True, keepdims=True)
+    size = F.cast(F.size_array(x), dtype="float64")
+    # (gamma and beta go in only so that deferred shape inference knows their shape)
+    mean, var = F.Custom(m, q, size, gamma, beta, running_mean, running_var,
+                         op_type=OP_TYPE, key=block.name,
+                         momentum=str(kw.get("momentum", 0.9)))
+    inv_std = F.rsqrt(var + kw.get("eps", 1e-5))
+    if not kw.get("fix_gamma", False):
+        inv_std = F.broadcast_mul(inv_std, F.reshape_like(gamma, mean))
+    y = F.broadcast_add(F.broadcast_mul(F.broadcast_sub(x, mean), inv_std),
+                        F.reshape_like(beta, mean))
+    if getattr(block, "fuse_relu", False):
+        y = F.relu(y)
+    return y
+
+
+def install(reducer):
+    """Make every Gluon BatchNorm layer normalize over all workers' batches (sums through
+    ``reducer``); returns the function that undoes it."""
+    global _REDUCER
+    from mxnet.gluon.nn.basic_layers import _BatchNorm
+    from mxnet.util import is_np_array
+
+    _REDUCER = reducer
+    original = _BatchNorm.hybrid_forward
+
+    def hybrid_forward(self, F, x, gamma, beta, running_mean, running_var):
+        if is_np_array() or self._kwargs.get("use_global_stats"):
+            return original(self, F, x, gamma, beta, running_mean, running_var)
+        return _sync_forward(self, F, x, gamma, beta, running_mean, running_var)
+
+    _BatchNorm.hybrid_forward = hybrid_forward
+
+    def undo():
+        global _REDUCER
+        _BatchNorm.hybrid_forward = original
+        _REDUCER = None
+    return undo
