@@ -99,7 +99,8 @@ class Reducer:
             return values.copy()
         sock = getattr(self._local, "sock", None)
         if sock is None:
-            sock = socket.create_connection(self.address, timeout=self.timeout)
+            # (longer than the service's own wait, whose error names the missing workers)
+            sock = socket.create_connection(self.address, timeout=self.timeout * 1.5 + 5)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(_HELLO.pack(self.rank))
             self._local.sock = sock
@@ -237,26 +238,28 @@ class _SyncMoments(mx.operator.CustomOp):
         self.total = None               # all workers', n
 
     def forward(self, is_train, req, in_data, out_data, aux):
+        # (numpy in and out: a few small copies; each MXNet operator called from
+        # here would cost more than all of this arithmetic)
         shape = out_data[0].shape
         if not is_train:
-            self.assign(out_data[0], req[0], aux[0].reshape(shape))
-            self.assign(out_data[1], req[1], aux[1].reshape(shape))
+            _write(out_data[0], req[0], aux[0].asnumpy().reshape(shape))
+            _write(out_data[1], req[1], aux[1].asnumpy().reshape(shape))
             return
         m = in_data[0].asnumpy().astype(np.float64).ravel()
         q = in_data[1].asnumpy().astype(np.float64).ravel()
         n = float(in_data[2].asnumpy()[0]) / m.size
-        total = self.reducer.sum(self.key + ":forward", np.concatenate([[n], n * m, q + n * m * m]))
+        total = self.reducer.sum(self.key + ":forward",
+                                 np.concatenate([[n], n * m, q + n * m * m]))
         c = m.size
         count = total[0]
         mean = total[1:1 + c] / count
         var = np.maximum(total[1 + c:] / count - mean * mean, 0.0)
         self.samples, self.total = n, count
-        dtype = out_data[0].dtype
-        self.assign(out_data[0], req[0], mx.nd.array(mean.reshape(shape), dtype=dtype))
-        self.assign(out_data[1], req[1], mx.nd.array(var.reshape(shape), dtype=dtype))
+        _write(out_data[0], req[0], mean.reshape(shape))
+        _write(out_data[1], req[1], var.reshape(shape))
         mo = self.momentum
-        aux[0][:] = aux[0] * mo + mx.nd.array(mean, dtype=aux[0].dtype) * (1 - mo)
-        aux[1][:] = aux[1] * mo + mx.nd.array(var, dtype=aux[1].dtype) * (1 - mo)
+        for running, batch in zip(aux, (mean, var)):
+            running[:] = running.asnumpy() * mo + batch * (1 - mo)
 
     def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
         # The job's loss is the sum of every worker's, and every worker's outputs depend
@@ -269,13 +272,20 @@ class _SyncMoments(mx.operator.CustomOp):
         m = in_data[0].asnumpy().astype(np.float64).ravel()
         mean = out_data[0].asnumpy().astype(np.float64).ravel()
         share = self.samples / self.total
-        shape, dtype = in_data[0].shape, in_data[0].dtype
-        d_m = share * (g_mean + 2.0 * (m - mean) * g_var)      # d mean/dm, d var/dm
-        d_q = np.broadcast_to(g_var / self.total, (c,))        # d var/dq
-        self.assign(in_grad[0], req[0], mx.nd.array(d_m.reshape(shape), dtype=dtype))
-        self.assign(in_grad[1], req[1], mx.nd.array(d_q.reshape(shape), dtype=dtype))
+        shape = in_data[0].shape
+        _write(in_grad[0], req[0], (share * (g_mean + 2.0 * (m - mean) * g_var)).reshape(shape))
+        _write(in_grad[1], req[1], (g_var / self.total).reshape(shape))
         for i in (2, 3, 4):                 # size, gamma, beta: no gradient through here
-            self.assign(in_grad[i], req[i], mx.nd.zeros_like(in_grad[i]))
+            if req[i] in ("write", "inplace"):
+                in_grad[i][:] = 0
+
+
+def _write(dst, req, value):
+    """dst (NDArray) = or += value (numpy, dst's shape) by MXNet's request ``req``."""
+    if req in ("write", "inplace"):
+        dst[:] = value
+    elif req == "add":
+        dst[:] = dst.asnumpy() + value
 
 
 @mx.operator.register(OP_TYPE)
@@ -308,23 +318,50 @@ class _SyncMomentsProp(mx.operator.CustomOpProp):
 
 # ----------------------------------------------------------------------------- the layer
 
+def _moments(F, x, axis, cpp):
+    """This worker's per-channel mean and centred sum of squares, (1, C, 1, ...)."""
+    if cpp:
+        return F.hylo_bn_moments(x, axis=axis)
+    m = F.mean(x, axis=axis, exclude=True, keepdims=True)
+    return m, F.sum(F.square(F.broadcast_sub(x, m)), axis=axis, exclude=True, keepdims=True)
+
+
+def _normalize(F, x, mean, var, gamma, beta, kw, cpp):
+    """(x - mean) gamma / sqrt(var + eps) + beta, the statistics (1, C, 1, ...)."""
+    eps, fix_gamma = kw.get("eps", 1e-5), kw.get("fix_gamma", False)
+    if cpp:
+        return F.hylo_bn_normalize(x, mean, var, gamma, beta, axis=kw.get("axis", 1),
+                                   eps=eps, fix_gamma=int(bool(fix_gamma)))
+    inv_std = F.rsqrt(var + eps)
+    if not fix_gamma:
+        inv_std = F.broadcast_mul(inv_std, F.reshape_like(gamma, mean))
+    return F.broadcast_add(F.broadcast_mul(F.broadcast_sub(x, mean), inv_std),
+                           F.reshape_like(beta, mean))
+
+
+def _use_cpp(block):
+    """mxhylo's C++ halves of BatchNorm for a float32 layer on the CPU; the broadcast
+    operators otherwise (GPU, float16, MXHYLO_OPS=reference)."""
+    from mxhylo import ops
+    try:
+        contexts = block.gamma.list_ctx()
+    except RuntimeError:                # deferred initialization: not placed yet
+        contexts = [mx.current_context()]
+    return (all(c.device_type.startswith("cpu") for c in contexts)
+            and np.dtype(block.gamma.dtype) == np.float32 and ops.backend() == "cpp")
+
+
 def _sync_forward(block, F, x, gamma, beta, running_mean, running_var):
     """_BatchNorm.hybrid_forward over every worker's batch (same kwargs, same output)."""
     kw = block._kwargs
-    axis = kw.get("axis", 1)
-    # this worker's moments, by channel: (1, C, 1, ...) to broadcast against x
-    m = F.mean(x, axis=axis, exclude=True, keepdims=True)
-    q = F.sum(F.square(F.broadcast_sub(x, m)), axis=axis, exclude=True, keepdims=True)
+    cpp = _use_cpp(block)
+    m, q = _moments(F, x, kw.get("axis", 1), cpp)
     size = F.cast(F.size_array(x), dtype="float64")
     # (gamma and beta go in only so that deferred shape inference knows their shape)
     mean, var = F.Custom(m, q, size, gamma, beta, running_mean, running_var,
                          op_type=OP_TYPE, key=block.name,
                          momentum=str(kw.get("momentum", 0.9)))
-    inv_std = F.rsqrt(var + kw.get("eps", 1e-5))
-    if not kw.get("fix_gamma", False):
-        inv_std = F.broadcast_mul(inv_std, F.reshape_like(gamma, mean))
-    y = F.broadcast_add(F.broadcast_mul(F.broadcast_sub(x, mean), inv_std),
-                        F.reshape_like(beta, mean))
+    y = _normalize(F, x, mean, var, gamma, beta, kw, cpp)
     if getattr(block, "fuse_relu", False):
         y = F.relu(y)
     return y

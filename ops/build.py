@@ -1,4 +1,4 @@
-"""Compile and load the C++ operator library (ops/src/hylo_ops.cc) on first use.
+"""Compile and load the C++ operator library (ops/src/*.cc) on first use.
 
 No manual step: ``load()`` builds ``libhylo_ops-<key>.so`` the first time a
 process needs it and loads it into MXNet with ``mx.library.load``; later
@@ -55,6 +55,8 @@ import mxnet as mx
 
 SRC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "src")
 SOURCE = os.path.join(SRC_DIR, "hylo_ops.cc")
+# every source of the one library: the compression operators and BatchNorm's halves
+SOURCES = (SOURCE, os.path.join(SRC_DIR, "batchnorm_ops.cc"))
 
 # One thread, no OpenMP: every kernel runs on the MXNet engine thread that
 # calls it. Each pass of a kernel runs near memory speed on one thread with AVX2
@@ -183,7 +185,7 @@ def cache_key(cxx, cxxflags):
     CPU model when the flags say -march=native)."""
     include, lib_api_cc = lib_api_paths()
     h = hashlib.sha256()
-    for path in (SOURCE, lib_api_cc, os.path.join(include, "mxnet", "lib_api.h")):
+    for path in SOURCES + (lib_api_cc, os.path.join(include, "mxnet", "lib_api.h")):
         with open(path, "rb") as f:
             h.update(f.read())
     cpu = [cpu_model()] if "-march=native" in cxxflags else []
@@ -219,7 +221,7 @@ def build_dir():
 
 def _compile(cxx, cxxflags, target, log_path):
     include, lib_api_cc = lib_api_paths()
-    cmd = list(cxx) + cxxflags + ["-I", include, SOURCE, lib_api_cc, "-o", target]
+    cmd = list(cxx) + cxxflags + ["-I", include] + list(SOURCES) + [lib_api_cc, "-o", target]
     try:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               timeout=COMPILE_TIMEOUT_S)
@@ -271,11 +273,13 @@ def _load_library(path):
 
     What mx.library.load does, for these operators only: it regenerates the Python
     function of every one of MXNet's ~1000 operators, NDArray and Symbol, which took
-    1.7-2.0 s of each worker's start on a loaded core. The hylo operators are called
-    imperatively only (ops/_cpp.py), so they get NDArray functions and no Symbol ones.
+    1.7-2.0 s of each worker's start on a loaded core. The compression operators are
+    called imperatively only (ops/_cpp.py), so they get NDArray functions; BatchNorm's
+    halves (hylo_bn_*) go into hybridized graphs too, so they get Symbol ones as well.
     """
     from mxnet.base import _LIB, OpHandle, c_str, check_call, py_str
     from mxnet.ndarray.register import _make_ndarray_function
+    from mxnet.symbol.register import _make_symbol_function
     if not os.path.isabs(path) or not os.path.exists(path):
         raise BuildError("operator library %s does not exist (an absolute path is needed)"
                          % path)
@@ -289,6 +293,10 @@ def _load_library(path):
             function = _make_ndarray_function(handle, name, name)
             setattr(mx.nd.op, name, function)
             setattr(mx.nd, name, function)
+            if name.startswith(OP_PREFIX + "bn_"):
+                symbol_function = _make_symbol_function(handle, name, name)
+                setattr(mx.sym.op, name, symbol_function)
+                setattr(mx.sym, name, symbol_function)
 
 
 def load(isa=None):
