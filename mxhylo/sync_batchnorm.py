@@ -26,150 +26,25 @@ Cost: two round trips per BatchNorm layer and step (53 layers in resnet50_v1b) o
 8 + 16 C bytes each, and normalization in a few broadcast operators instead of
 MXNet's fused BatchNorm.
 
-The Reducer is a small TCP service on the rank-0 worker: every worker connects to
-it, sends (key, its values) and gets back the sum over the W workers, summed in rank
-order so every worker receives the same bytes. Its address reaches the workers
-through the job's store (one ``broadcast`` at start-up), so it runs under every
-launcher the store runs under. A worker that stops leaves the others waiting at most
-``timeout`` seconds, then their step fails with an error that says so.
+The sums go through mxhylo.reducer: a small TCP service in a process the rank-0
+worker starts, which adds the W workers' values in rank order, so every worker
+receives the same bytes. Its address reaches the workers through the job's store
+(one ``broadcast`` at start-up), so it runs under every launcher the store runs
+under. A worker that stops leaves the others waiting at most ``timeout`` seconds,
+then their step fails with an error that says so.
 """
 import os
 import socket
-import struct
-import threading
 
 import mxnet as mx
 import numpy as np
+
+from .reducer import TIMEOUT_S, Reducer, spawn_service
 
 OP_TYPE = "mxhylo_sync_moments"
 # The store key of the address (an int: MXNet's stores refuse a mix of int and str keys,
 # and Gluon's Trainer uses ints from 0 up).
 ADDRESS_KEY = 2 ** 31 - 1
-TIMEOUT_S = 300.0
-
-_HELLO = struct.Struct("!I")            # rank
-_HEAD = struct.Struct("!HI")            # key length (bytes), values (float64 count)
-
-
-# ----------------------------------------------------------------------------- the reducer
-
-def _recv_exact(sock, n):
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionError("connection closed")
-        got += k
-    return bytes(buf)
-
-
-class _Round:
-    """One key's sum in progress: rank -> values; finished sums by generation."""
-
-    def __init__(self):
-        self.generation = 0
-        self.parts = {}
-        self.results = {}                   # generation -> [sum, readers left]
-
-
-class Reducer:
-    """Sums float64 vectors over the W workers, by key (rank 0 hosts the service).
-
-    ``sum(key, values)`` blocks until every worker has given ``values`` for ``key``
-    and returns their sum (added in rank order: every worker gets the same bytes).
-    Each worker calls it with the same keys, in any order, from any thread.
-    """
-
-    def __init__(self, rank, num_workers, address, timeout=TIMEOUT_S, listener=None):
-        self.rank, self.num_workers = int(rank), int(num_workers)
-        self.address, self.timeout = address, float(timeout)
-        self._local = threading.local()
-        self._rounds = {}
-        self._cond = threading.Condition()
-        if listener is not None:
-            threading.Thread(target=self._serve, args=(listener,), daemon=True,
-                             name="mxhylo-syncbn-reducer").start()
-
-    # -- worker side
-    def sum(self, key, values):
-        """Sum of ``values`` (1-D float64, the same length on every worker) over the workers."""
-        values = np.ascontiguousarray(values, dtype=np.float64).ravel()
-        if self.num_workers == 1:
-            return values.copy()
-        sock = getattr(self._local, "sock", None)
-        if sock is None:
-            # (longer than the service's own wait, whose error names the missing workers)
-            sock = socket.create_connection(self.address, timeout=self.timeout * 1.5 + 5)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(_HELLO.pack(self.rank))
-            self._local.sock = sock
-        name = key.encode()
-        try:
-            sock.sendall(_HEAD.pack(len(name), values.size) + name + values.tobytes())
-            count, = struct.unpack("!I", _recv_exact(sock, 4))
-            if count != values.size:
-                raise RuntimeError(_recv_exact(sock, count).decode(errors="replace"))
-            return np.frombuffer(_recv_exact(sock, 8 * count), dtype=np.float64).copy()
-        except (OSError, ConnectionError) as exc:
-            self._local.sock = None
-            raise RuntimeError(
-                "sync BatchNorm: no sum for %r from the rank-0 worker's reducer at %s:%d "
-                "within %g s (%s): a worker stopped or fell behind"
-                % (key, self.address[0], self.address[1], self.timeout, exc)) from None
-
-    # -- rank 0's service
-    def _serve(self, listener):
-        while True:
-            conn, _ = listener.accept()
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve_worker, args=(conn,), daemon=True).start()
-
-    def _serve_worker(self, conn):
-        try:
-            rank, = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
-            while True:
-                klen, count = _HEAD.unpack(_recv_exact(conn, _HEAD.size))
-                key = _recv_exact(conn, klen).decode()
-                values = np.frombuffer(_recv_exact(conn, 8 * count), dtype=np.float64)
-                try:
-                    total = self._contribute(key, rank, values)
-                except RuntimeError as exc:
-                    msg = str(exc).encode()
-                    conn.sendall(struct.pack("!I", len(msg)) + msg)
-                    continue
-                conn.sendall(struct.pack("!I", total.size) + total.tobytes())
-        except (OSError, ConnectionError):
-            pass
-        finally:
-            conn.close()
-
-    def _contribute(self, key, rank, values):
-        with self._cond:
-            r = self._rounds.setdefault(key, _Round())
-            if r.parts and next(iter(r.parts.values())).size != values.size:
-                raise RuntimeError("sync BatchNorm: workers give %r different lengths "
-                                   "(%d and %d): are their nets the same?"
-                                   % (key, next(iter(r.parts.values())).size, values.size))
-            gen = r.generation
-            r.parts[rank] = values
-            if len(r.parts) == self.num_workers:
-                total = np.zeros_like(values)
-                for k in sorted(r.parts):
-                    total += r.parts[k]
-                r.results[gen] = [total, self.num_workers]
-                r.parts, r.generation = {}, gen + 1
-                self._cond.notify_all()
-            elif not self._cond.wait_for(lambda: gen in r.results, self.timeout):
-                raise RuntimeError("sync BatchNorm: %r waited %g s for workers %s"
-                                   % (key, self.timeout, sorted(
-                                       set(range(self.num_workers)) - set(r.parts))))
-            result = r.results[gen]
-            result[1] -= 1
-            if result[1] == 0:
-                del r.results[gen]
-            return result[0]
-
 
 def _reachable_ip():
     """This host's address as the job's other hosts reach it: the source address of
@@ -190,23 +65,24 @@ def _reachable_ip():
 
 
 def join(kv, timeout=TIMEOUT_S):
-    """The job's Reducer: rank 0 starts it, and its address reaches every worker
-    through ``kv.broadcast`` (a collective: every worker calls join once, at start)."""
-    listener = None
+    """The job's Reducer: rank 0 starts its service (a child process), and the
+    service's address reaches every worker through ``kv.broadcast`` (a collective:
+    every worker calls join once, at start)."""
     address = np.zeros(5, dtype=np.float32)
-    if kv.rank == 0:
+    if kv.rank == 0 and kv.num_workers > 1:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("0.0.0.0", 0))
         listener.listen(128)
-        ip = _reachable_ip()
-        address[:4] = [int(p) for p in socket.inet_aton(ip)]
+        spawn_service(listener, kv.num_workers, timeout)
+        address[:4] = [int(p) for p in socket.inet_aton(_reachable_ip())]
         address[4] = listener.getsockname()[1]
+        listener.close()                    # (the service has its own copy)
     out = mx.nd.zeros(5)
     kv.broadcast(ADDRESS_KEY, mx.nd.array(address), out=out)
     got = out.asnumpy().astype(int)
     ip = ".".join(str(p) for p in got[:4])
-    return Reducer(kv.rank, kv.num_workers, (ip, int(got[4])), timeout, listener)
+    return Reducer(kv.rank, kv.num_workers, (ip, int(got[4])), timeout)
 
 
 # ----------------------------------------------------------------------------- the operator

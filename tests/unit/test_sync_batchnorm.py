@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mxnet import autograd, gluon
 
-from mxhylo import sync_batchnorm
+from mxhylo import reducer, sync_batchnorm
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ def _reducers(num_workers, timeout=30.0):
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)
     address = listener.getsockname()
-    return [sync_batchnorm.Reducer(r, num_workers, address, timeout,
+    return [reducer.Reducer(r, num_workers, address, timeout,
                                    listener if r == 0 else None)
             for r in range(num_workers)]
 

@@ -52,7 +52,7 @@ def main():
     args = p.parse_args()
 
     rank, workers = 0, 1
-    if os.environ.get("DMLC_ROLE") == "worker":
+    if os.environ.get("DMLC_ROLE") == "worker" or "HOROVOD_RANK" in os.environ:
         kv = mx.kv.create("dist_sync")          # the job's store, under mxhylo.run
         rank, workers = kv.rank, kv.num_workers
     if args.batch % workers:
