@@ -101,7 +101,7 @@ def _config(args):
             raise SystemExit("accuracy: --servers 0 is one process over %d devices (W = 1): "
                              "it needs --workers 1 and modes with an in-process store%s"
                              % (IN_PROCESS_DEVICES, " (not %s)" % ", ".join(bad) if bad else ""))
-    bad = [m for m in cfg["modes"] if mode(m).batch_schedule]
+    bad = [m for m in cfg["modes"] if mode(m).batch_schedule or mode(m).sync_batchnorm]
     if bad:
         raise SystemExit("accuracy: %s run with bench train --tta only" % ", ".join(bad))
     return cfg

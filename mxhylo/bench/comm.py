@@ -26,7 +26,7 @@ import sys
 import time
 
 from . import jobs, netns, report
-from .modes import HEADLINE, MODES, describe, hylo_options, mode, parse_modes
+from .modes import HEADLINE, describe, exchange_modes, hylo_options, mode, parse_modes
 
 log = report.logger("comm")
 DEFAULT_MODELS = ("resnet50_v1b", "vgg16", "alexnet")
@@ -38,8 +38,7 @@ def add_arguments(parser):
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
                         help="comma-separated gluoncv model names (default %(default)s)")
     parser.add_argument("--modes", default=",".join(HEADLINE),
-                        help="comma-separated modes (default %(default)s) of: " + ", ".join(
-                            m for m in MODES if not MODES[m].batch_schedule))
+                        help="comma-separated modes (default %(default)s) of: " + ", ".join(exchange_modes()))
     parser.add_argument("--steps", type=int, default=4, help="timed exchanges (default 4)")
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed exchanges after the store's start-up (default 1)")
@@ -180,7 +179,7 @@ def run(args):
     """One record per rate of --rate; with several rates, a sweep record of them."""
     try:
         models = [m.strip() for m in args.models.split(",") if m.strip()]
-        modes = parse_modes(args.modes, [m for m in MODES if not MODES[m].batch_schedule])
+        modes = parse_modes(args.modes, exchange_modes())
         options = hylo_options(args.hylo_options)
         if not models or args.steps < 1 or args.warmup < 0:
             raise ValueError("need --models, --steps >= 1 and --warmup >= 0")

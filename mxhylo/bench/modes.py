@@ -10,7 +10,9 @@ its job is started, and that store's options:
   horovodrun's Gloo environment, no servers);
 * ``options``: the store's options; ``switches``: module attributes the worker sets
   before it makes the store (what no option can say); ``batch_schedule``: a growing
-  batch (train --tta only: mxhylo.schedules.StepBatch).
+  batch (train --tta only: mxhylo.schedules.StepBatch); ``sync_batchnorm``: BatchNorm over
+  every worker's batch (train only: mxhylo.sync_batchnorm, as ``mxhylo.run
+  --sync-batchnorm``).
 
 ``hylo`` is the store's defaults, what ``kvstore='dist_sync_hylo'`` gives a user; the
 other hylo modes are named variants. The peers are the modes whose store is not
@@ -30,11 +32,14 @@ class Mode(NamedTuple):
     options: tuple = ()             # (name, value) pairs
     switches: tuple = ()            # (module, attribute, value)
     batch_schedule: bool = False
+    sync_batchnorm: bool = False
     help: str = ""
 
     @property
     def peer(self):
-        return self.store != "hylo"
+        """What a user would run instead of mxhylo (a *_syncbn mode trains another
+        arithmetic, so it is not a peer of the others)."""
+        return self.store != "hylo" and not self.sync_batchnorm
 
 
 MODES = {
@@ -69,9 +74,19 @@ MODES = {
                               "growing batch (train --tta: --tta-batch-schedule)"),
     "hylo_dynamic": Mode("hylo", batch_schedule=True, help="hylo with a growing batch "
                          "(train --tta: --tta-batch-schedule)"),
+    "dist_sync_syncbn": Mode("dist_sync", sync_batchnorm=True, help="dist_sync with "
+                             "BatchNorm over every worker's batch (mxhylo.run "
+                             "--sync-batchnorm; train only)"),
+    "hylo_syncbn": Mode("hylo", sync_batchnorm=True, help="hylo with BatchNorm over every "
+                        "worker's batch (mxhylo.run --sync-batchnorm; train only)"),
 }
 HEADLINE = ("dist_sync", "dist_sync_fp16", "horovod_dense", "horovod_fp16", "hylo",
             "hylo_horovod")
+
+
+def exchange_modes():
+    """The modes whose job is the exchange alone (comm): not the training-only ones."""
+    return [m for m in MODES if not (MODES[m].batch_schedule or MODES[m].sync_batchnorm)]
 
 
 def mode(name):

@@ -568,6 +568,15 @@ def _done(cfg, kv, trainer, net, **fields):
                 peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
+def sync_batchnorm_if_asked(cfg, kv, net):
+    """The *_syncbn modes: BatchNorm over every worker's batch (mxhylo.sync_batchnorm),
+    in the graph traced again at the next forward."""
+    if mode(cfg["mode"]).sync_batchnorm:
+        from mxhylo import sync_batchnorm
+        sync_batchnorm.install(sync_batchnorm.join(kv))
+        net._clear_cached_op()
+
+
 def speed_worker(cfg):
     import mxnet as mx
     import numpy as np
@@ -583,6 +592,7 @@ def speed_worker(cfg):
     mx.nd.waitall()
     t_store = time.perf_counter()
     kv, trainer = make_trainer(cfg, net)
+    sync_batchnorm_if_asked(cfg, kv, net)
     store_s = time.perf_counter() - t_store
     rank, W = int(kv.rank), int(kv.num_workers)
     rng = np.random.RandomState(cfg["seed"] * 1000 + rank)
@@ -666,6 +676,7 @@ def tta_worker(cfg):
     schedule = mx.lr_scheduler.CosineScheduler(max_update=spe * cfg["epochs"],
                                                base_lr=cfg["lr"], final_lr=0.0)
     kv, trainer = make_trainer(cfg, net, lr_scheduler=schedule)
+    sync_batchnorm_if_asked(cfg, kv, net)
     rank, W = int(kv.rank), int(kv.num_workers)
     if mode(cfg["mode"]).batch_schedule:
         from mxhylo import schedules

@@ -29,7 +29,9 @@ def test_hylo_is_the_stores_defaults_and_the_variants_say_what_differs(monkeypat
     kv, _ = modes.make_store("hylo_nooverlap", one_process=True)
     assert kv.overlap is False
     for name, m in modes.MODES.items():
-        assert m.help and m.peer == (m.store != "hylo"), name
+        assert m.help and m.peer == (m.store != "hylo" and not m.sync_batchnorm), name
+    assert set(modes.exchange_modes()) == {n for n, m in modes.MODES.items()
+                                           if not (m.batch_schedule or m.sync_batchnorm)}
     assert set(modes.HEADLINE) <= set(modes.MODES)
     assert modes.parse_modes("dist_sync,hylo") == ["dist_sync", "hylo"]
     with pytest.raises(ValueError, match="unknown mode dense"):
