@@ -147,3 +147,44 @@ def test_a_missing_worker_is_an_error_naming_it_not_a_hang():
                                    for r in (0, 1)])
     assert len(errors) == 2
     assert all("layer7:forward" in str(e) and "[2]" in str(e) for e in errors), errors
+
+
+PARENT = r"""
+import socket, sys, threading
+import numpy as np
+from mxhylo import reducer
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen(8)
+service = reducer.spawn_service(listener, 2, timeout=10)
+address = listener.getsockname()
+listener.close()
+sums = {}
+def call(rank):
+    sums[rank] = reducer.Reducer(rank, 2, address, 10).sum("k", np.arange(3.0) + rank)
+threads = [threading.Thread(target=call, args=(r,)) for r in (0, 1)]
+[t.start() for t in threads]
+[t.join(30) for t in threads]
+print(service.pid, sums[0].tolist(), sums[1].tolist(), flush=True)
+"""
+
+
+def test_the_service_process_sums_and_leaves_with_its_parent():
+    import os
+    import subprocess
+    import sys
+    import time
+    out = subprocess.run([sys.executable, "-c", PARENT], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    pid = out.stdout.split()[0]
+    assert "[1.0, 3.0, 5.0] [1.0, 3.0, 5.0]" in out.stdout, out.stdout
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(int(pid), 9)
+    pytest.fail("the sum service (pid %s) outlived its parent" % pid)
