@@ -7,8 +7,8 @@
 //
 //   hylo_bn_moments(x; axis) -> mean, centred (statistic shape)
 //       mean_c = sum x / n, centred_c = sum (x - mean_c)^2, n = outer * inner;
-//       both summed in float along a row of `inner` elements, in double across
-//       rows (two passes).
+//       both summed in 16 float lanes along a row of `inner` elements, in double
+//       across rows (two passes).
 //       backward: dx = dmean_c / n + 2 dcentred_c (x - mean_c)
 //   hylo_bn_normalize(x, mean, var (statistic shape), gamma, beta (C,);
 //                     axis, eps, fix_gamma) -> y = (x - mean_c) s_c + beta_c,
@@ -72,6 +72,62 @@ float attr_float(const Attrs& attrs, const char* name, float fallback) {
   return it == attrs.end() ? fallback : std::stof(it->second);
 }
 
+// Row sums in kLanes independent float lanes, added in a fixed order at the end:
+// the compiler vectorizes the lanes (a single running sum would be one long
+// dependency chain), and the order, hence every bit, is the same in every ISA build.
+constexpr int kLanes = 16;
+
+float lanes_total(const float* acc) {
+  float t = 0;
+  for (int l = 0; l < kLanes; ++l) t += acc[l];
+  return t;
+}
+
+float row_sum(const float* p, int64_t n) {
+  float acc[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += p[i + l];
+  float t = lanes_total(acc);
+  for (; i < n; ++i) t += p[i];
+  return t;
+}
+
+float row_centred_squares(const float* p, int64_t n, float m) {
+  float acc[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      const float d = p[i + l] - m;
+      acc[l] += d * d;
+    }
+  float t = lanes_total(acc);
+  for (; i < n; ++i) t += (p[i] - m) * (p[i] - m);
+  return t;
+}
+
+// sum dy and sum dy (x - m) over a row, writing dx = dy s on the way
+void row_normalize_backward(const float* dy, const float* x, float* dx, int64_t n, float m,
+                            float s, float* sum_dy, float* sum_dyx) {
+  float a[kLanes] = {0}, b[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      const float d = dy[i + l];
+      a[l] += d;
+      b[l] += d * (x[i + l] - m);
+      dx[i + l] = d * s;
+    }
+  float ta = lanes_total(a), tb = lanes_total(b);
+  for (; i < n; ++i) {
+    ta += dy[i];
+    tb += dy[i] * (x[i] - m);
+    dx[i] = dy[i] * s;
+  }
+  *sum_dy = ta;
+  *sum_dyx = tb;
+}
+
 // ------------------------------------------------------------------ moments
 
 MXReturnValue moments_parse(const Attrs&, int* nin, int* nout) {
@@ -109,24 +165,13 @@ MXReturnValue moments_forward(const Attrs& attrs, std::vector<MXTensor>* in,
   const double n = static_cast<double>(v.outer * v.inner);
   for (int64_t c = 0; c < v.channels; ++c) {
     double s = 0;
-    for (int64_t o = 0; o < v.outer; ++o) {
-      const float* p = x + (o * v.channels + c) * v.inner;
-      float part = 0;                         // (float lanes, summed into double per row)
-      for (int64_t i = 0; i < v.inner; ++i) part += p[i];
-      s += part;
-    }
+    for (int64_t o = 0; o < v.outer; ++o)
+      s += row_sum(x + (o * v.channels + c) * v.inner, v.inner);
     const double m = n > 0 ? s / n : 0.0;
     const float mf = static_cast<float>(m);
     double q = 0;
-    for (int64_t o = 0; o < v.outer; ++o) {
-      const float* p = x + (o * v.channels + c) * v.inner;
-      float part = 0;
-      for (int64_t i = 0; i < v.inner; ++i) {
-        const float d = p[i] - mf;
-        part += d * d;
-      }
-      q += part;
-    }
+    for (int64_t o = 0; o < v.outer; ++o)
+      q += row_centred_squares(x + (o * v.channels + c) * v.inner, v.inner, mf);
     mean[c] = mf;
     centred[c] = static_cast<float>(q);
   }
@@ -241,13 +286,8 @@ MXReturnValue normalize_backward(const Attrs& attrs, std::vector<MXTensor>* in,
     double sdy = 0, sdyx = 0;
     for (int64_t o = 0; o < v.outer; ++o) {
       const int64_t base = (o * v.channels + c) * v.inner;
-      float a = 0, b = 0;
-      for (int64_t i = 0; i < v.inner; ++i) {
-        const float d = dy[base + i];
-        a += d;
-        b += d * (x[base + i] - m);
-        dx[base + i] = d * s;
-      }
+      float a, b;
+      row_normalize_backward(dy + base, x + base, dx + base, v.inner, m, s, &a, &b);
       sdy += a;
       sdyx += b;
     }

@@ -74,6 +74,38 @@ def test_one_worker_is_mxnets_batchnorm(layer, hybridize):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.parametrize("shape,axis", [((3, 4, 5, 7), 1), ((2, 3, 33), 1), ((9, 6), 1),
+                                        ((2, 5, 16), -1), ((1, 1, 1, 1), 1)])
+def test_cpp_halves_equal_the_broadcast_reference(shape, axis):
+    from mxhylo import ops
+    if ops.backend() != "cpp":
+        pytest.skip("mxhylo's C++ operators are not built here")
+    rng = np.random.RandomState(sum(shape))
+    x = rng.normal(1.0, 2.0, shape).astype(np.float32)
+    c = shape[axis]
+    stat = [1] * len(shape)
+    stat[axis] = c
+    gamma, beta = rng.normal(size=c).astype(np.float32), rng.normal(size=c).astype(np.float32)
+    heads = [rng.normal(size=shape).astype(np.float32), rng.normal(size=stat), rng.normal(size=stat)]
+    kw = {"axis": axis, "eps": 1e-3, "fix_gamma": False}
+    results = []
+    for cpp in (True, False):
+        xs = [mx.nd.array(a) for a in (x, gamma, beta)]
+        for a in xs:
+            a.attach_grad()
+        with autograd.record():
+            m, q = sync_batchnorm._moments(mx.nd, xs[0], axis, cpp)
+            var = q / (x.size // c)
+            y = sync_batchnorm._normalize(mx.nd, xs[0], m, var, xs[1], xs[2], kw, cpp)
+        autograd.backward([y, m, q], [mx.nd.array(h) for h in heads])
+        results.append([a.asnumpy() for a in (m, q, y)] + [a.grad.asnumpy() for a in xs])
+    reduced = tuple(a for a in range(len(shape)) if a != axis % len(shape))
+    np.testing.assert_allclose(results[0][0].ravel(), x.astype(np.float64).mean(reduced),
+                               rtol=1e-5, atol=1e-6)
+    for name, a, b in zip(["mean", "centred", "y", "dx", "dgamma", "dbeta"], *results):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
 def test_variance_keeps_its_precision_with_a_large_mean(one_worker):
     # sum(x^2)/n - mean^2 in float32 would lose every digit here (mean^2/var = 1e8)
     rng = np.random.RandomState(0)
