@@ -8,23 +8,26 @@ batch of all W workers, back-propagates through those statistics as one process
 would, and keeps running statistics that are the same on every worker. Evaluation
 (not training) uses the running statistics, as Gluon's BatchNorm does.
 
-One gradient's way through a layer, forward then backward:
+A layer, forward (autograd differentiates each operator; backward runs them in
+reverse):
 
-1. ``mxhylo_sync_moments`` (a CustomOp, so it runs inside hybridized graphs too)
-   reduces its input x (N, C, ...) to per-channel sums on this worker: n, n*mean and
-   the centred sum of squares plus n*mean^2 (float64, 1 + 2C values), sums them over
-   the workers (Reducer, one round trip), and outputs the whole batch's mean and
-   biased variance, shaped (1, C, 1, ...) to broadcast against x. It also moves the
-   layer's running statistics (momentum as the layer's), as MXNet's BatchNorm does.
-2. The layer normalizes x with them in ordinary operators (autograd differentiates).
-3. Backward of 1: the loss is the sum of every worker's loss, and every worker's
-   statistics depend on every worker's x, so the gradients d(mean), d(var) (2C values)
-   are summed over the workers (one more round trip) before
-   dx = (sum d(mean) + 2 sum d(var) (x - mean)) / n.
+1. ``hylo_bn_moments`` (C++, ops/src/batchnorm_ops.cc): x (N, C, ...) -> this
+   worker's per-channel mean m and centred sum of squares q, each (1, C, 1, ...).
+2. ``mxhylo_sync_moments`` (a CustomOp, so it runs inside hybridized graphs too):
+   sums n, n*m and q + n*m^2 over the workers in float64 (1 + 2C values, one round
+   trip) and outputs the whole batch's mean and biased variance (1, C, 1, ...); moves
+   the layer's running statistics (its momentum), as MXNet's BatchNorm does. Its
+   backward sums the gradients of the mean and variance over the workers (2C values,
+   one more round trip) first: the loss is the sum of every worker's, and every
+   worker's outputs depend on every worker's moments.
+3. ``hylo_bn_normalize`` (C++): y = (x - mean) gamma / sqrt(var + eps) + beta.
+
+Where mxhylo's C++ operators do not apply (a GPU, float16, MXHYLO_OPS=reference),
+1 and 3 are broadcast operators with the same arithmetic.
 
 Cost: two round trips per BatchNorm layer and step (53 layers in resnet50_v1b) of
-8 + 16 C bytes each, and normalization in a few broadcast operators instead of
-MXNet's fused BatchNorm.
+8 + 16 C bytes each, each waiting for the slowest worker; three operators for MXNet's
+one fused BatchNorm.
 
 The sums go through mxhylo.reducer: a small TCP service in a process the rank-0
 worker starts, which adds the W workers' values in rank order, so every worker
