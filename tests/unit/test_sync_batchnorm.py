@@ -4,7 +4,7 @@ With one worker it must be MXNet's BatchNorm (outputs, gradients, running statis
 evaluation), hybridized or not; its moments keep their precision where the mean is
 large against the spread; the Reducer sums over workers by key, in rank order, and a
 missing worker ends in an error that names it, not a hang. (W workers against one
-process: tests/distributed/test_sync_batchnorm.py.)
+process: tests/distributed/test_sync_batchnorm_dist.py.)
 """
 import socket
 import threading
