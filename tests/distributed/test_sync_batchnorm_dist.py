@@ -7,7 +7,8 @@ process's batches of 2b. With --sync-batchnorm the workers' mean loss at every s
 one process's loss, and every worker's evaluation over the whole validation set is one
 process's; without it, each worker normalizes over its own b samples and the curve
 moves away (the case that says what the option changes). Launched as users launch:
-``python -m mxhylo.launch -n 2 -s 1 python -m mxhylo.run ...`` and horovodrun.
+``python -m mxhylo.launch -n 2 -s 1 python -m mxhylo.run ...``, MXNet's own launcher
+(dmlc-tracker's local submit, as tools/launch.py calls it) and horovodrun.
 """
 import functools
 import json
@@ -17,6 +18,8 @@ import subprocess
 import sys
 
 import pytest
+
+from test_quick_start import MXNET_LAUNCHER   # MXNet's tools/launch.py, local
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SCRIPT = os.path.join(ROOT, "tests", "distributed", "jobs", "bn_whole_batch.py")
@@ -64,6 +67,8 @@ def two_workers(kvstore, sync, hybridize, launcher="mxhylo"):
         (["--sync-batchnorm"] if sync else []) + [SCRIPT, "--steps", str(STEPS)] + hybridize
     if launcher == "horovodrun":
         cmd = [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo"] + run
+    elif launcher == "mxnet":
+        cmd = [PY, "-c", MXNET_LAUNCHER] + run
     else:
         cmd = [PY, "-m", "mxhylo.launch", "-n", "2", "-s", "1", "--timeout",
                str(TIMEOUT_S)] + run
@@ -82,12 +87,13 @@ def curve_gap(reference, reports):
 
 CASES = [
     ("dist_sync", ["--hybridize"], "mxhylo"),
-    ("dist_sync_hylo", [], "mxhylo"),
+    ("dist_sync_hylo", [], "mxnet"),
 ]
 
 
 @pytest.mark.parametrize("kvstore,hybridize,launcher", CASES,
-                         ids=["dist_sync-hybridized", "hylo-imperative"])
+                         ids=["dist_sync-hybridized-mxhylo.launch",
+                              "hylo-imperative-mxnets-launcher"])
 def test_two_workers_with_sync_batchnorm_train_like_one_process(kvstore, hybridize,
                                                                 launcher):
     reference = one_process(hybridize)
