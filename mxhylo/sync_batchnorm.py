@@ -54,7 +54,7 @@ def _reachable_ip():
     the route to the scheduler (ps-lite) or to horovodrun's rendezvous."""
     host = os.environ.get("DMLC_NODE_HOST")
     if host:
-        return host
+        return socket.gethostbyname(host)   # (an address or a host name)
     peer = os.environ.get("DMLC_PS_ROOT_URI") or \
         os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR") or "127.0.0.1"
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -73,12 +73,15 @@ def join(kv, timeout=TIMEOUT_S):
     every worker calls join once, at start)."""
     address = np.zeros(5, dtype=np.float32)
     if kv.rank == 0 and kv.num_workers > 1:
+        # bound to the address the job's other hosts reach, never to all interfaces
+        # (loopback for a job on one machine), as mxhylo.launch binds every role
+        ip = _reachable_ip()
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("0.0.0.0", 0))
+        listener.bind((ip, 0))
         listener.listen(128)
         spawn_service(listener, kv.num_workers, timeout)
-        address[:4] = [int(p) for p in socket.inet_aton(_reachable_ip())]
+        address[:4] = [int(p) for p in socket.inet_aton(ip)]
         address[4] = listener.getsockname()[1]
         listener.close()                    # (the service has its own copy)
     out = mx.nd.zeros(5)
