@@ -13,9 +13,11 @@ moves away (the case that says what the option changes). Launched as users launc
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -33,21 +35,29 @@ LOSS_TOLERANCE = 2e-3
 
 
 def _run(cmd):
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    """Run a job whose script writes one report per worker; the reports by rank."""
+    report_dir = tempfile.mkdtemp(prefix="bn_whole_batch_")
     try:
-        text, _ = proc.communicate(timeout=TIMEOUT_S + 30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        text, _ = proc.communicate()
-        pytest.fail("the job timed out:\n" + text[-3000:])
-    finally:
-        if proc.poll() is None:
+        proc = subprocess.Popen(cmd + ["--report-dir", report_dir], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            text, _ = proc.communicate(timeout=TIMEOUT_S + 30)
+        except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, text[-3000:]
-    reports = [json.loads(line[line.index("{"):]) for line in text.splitlines()
-               if '"losses"' in line]
+            text, _ = proc.communicate()
+            pytest.fail("the job timed out:\n" + text[-3000:])
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        assert proc.returncode == 0, text[-3000:]
+        reports = []
+        for name in sorted(os.listdir(report_dir)):
+            with open(os.path.join(report_dir, name)) as f:
+                reports.append(json.load(f))
+    finally:
+        shutil.rmtree(report_dir, ignore_errors=True)
     return sorted(reports, key=lambda r: r["rank"]), text
 
 

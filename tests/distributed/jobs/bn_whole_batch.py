@@ -7,10 +7,11 @@ each worker takes its b samples of every step's W*b (the job's size from the sto
 mx.kv.create returns under mxhylo.run), so the W workers together see exactly one
 process's batches, and mxhylo.run gives the Trainer the job's store.
 
-Prints one JSON line: {"rank", "workers", "losses" (this process's mean loss at each
-step), "accuracy" (over the whole validation set, with the running statistics)}.
-Options: --batch B (the whole step's batch, W*b; default 32), --steps N (default 12),
---hybridize.
+Writes one JSON report, {"rank", "workers", "losses" (this process's mean loss at each
+step), "accuracy" (over the whole validation set, with the running statistics)}, to
+REPORT_DIR/rank<R>.json (a file per worker: launchers that merge the workers' stdout
+may interleave their lines). Options: --batch B (the whole step's batch, W*b; default
+32), --steps N (default 12), --hybridize, --report-dir REPORT_DIR (required).
 """
 import argparse
 import json
@@ -49,6 +50,7 @@ def main():
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--hybridize", action="store_true")
+    p.add_argument("--report-dir", required=True)
     args = p.parse_args()
 
     rank, workers = 0, 1
@@ -78,8 +80,10 @@ def main():
         trainer.step(b)
         losses.append(float(loss.mean().asscalar()))
     predicted = net(mx.nd.array(vx)).argmax(axis=1).asnumpy()
-    print(json.dumps({"rank": rank, "workers": workers, "losses": losses,
-                      "accuracy": float((predicted == vy).mean())}), flush=True)
+    report = {"rank": rank, "workers": workers, "losses": losses,
+              "accuracy": float((predicted == vy).mean())}
+    with open(os.path.join(args.report_dir, "rank%d.json" % rank), "w") as f:
+        json.dump(report, f)
 
 
 if __name__ == "__main__":
