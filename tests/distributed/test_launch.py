@@ -421,6 +421,9 @@ def _epoch_losses(out, samples, workers):
     return [sum(sums[i:i + workers]) / samples for i in range(0, len(sums), workers)]
 
 
+# slow: the sharded reader is the test above's (exact, plain SGD), BatchNorm over the
+# whole batch test_sync_batchnorm_dist.py's (exact, with --sync-batchnorm)
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_run_batchnorm_net_trains_like_one_process_with_double_batch(tmp_path):
     """2 workers x b under mxhylo.run against 1 process x 2b, on a net with BatchNorm
