@@ -69,9 +69,14 @@ class Compressor:
     name = None
     wire = "dense"
     scalars = 0         # 'slots' codecs: header values every payload carries
+    # the stages' work this codec's encode does in its own pass (kvstore.stages, "Fused
+    # stages"): "velocity" (encode takes velocity=, a kvstore.momentum.Velocity) and
+    # "bound" (bound=, BoundedResidual's row bound)
+    fuses = ()
 
-    def encode(self, plan, grad, memory):
-        """Encode NDArray ``grad`` of layer ``plan`` -> Payload; updates ``memory``."""
+    def encode(self, plan, grad, memory, **fused):
+        """Encode NDArray ``grad`` of layer ``plan`` -> Payload; updates ``memory``.
+        ``fused``: the stages' work listed in ``fuses``, given only to such a codec."""
         raise NotImplementedError
 
     def decode(self, payload, out, accumulate=False):

@@ -43,9 +43,8 @@ way a 'slots' codec does; only the 'sum' pull needs the shared v.
 import numpy as np
 
 from .. import ops
-from .codec import Payload, undo_encode, raise_non_finite
+from .codec import Payload
 from .compressors import TwoBit
-from .memory import Owed
 
 # the first step's threshold: no |a| reaches it, so nothing is sent
 NOTHING_SENT = float(np.finfo(np.float32).max)
@@ -59,30 +58,22 @@ class SharedTwoBit(TwoBit):
     scalars = 3         # v; this worker's sum |a|; the mean |a| of what it sent
     summable = True     # the servers may add the codes of all workers (pull 'sum')
 
-    def encode(self, plan, grad, memory):
+    def encode(self, plan, grad, memory, velocity=None, bound=None):
         t = memory.scalar(plan.name, "shared_threshold")
         first = t is None
         t = float(np.float32(NOTHING_SENT if first else t))
         v = float(np.float32(memory.scalar(plan.name, "shared_value") or t))
-        # One pass, as fc_2bit's: a = g + r, codes where |a| >= t; the kernel measures
-        # this worker's mean sent |a| (value=None) and leaves r <- a - c * v owed with
-        # the agreed v (the codes do not depend on the value, only the residual does).
-        residual, owed = memory.residual_owing(plan.name, grad)
-        pending = None if owed is None else (owed.threshold, owed.value)
-        codes, stats = ops.quantize_2bit(grad, residual, t, pending=pending, defer=True)
-        memory.set_owed(plan.name, None)
-        total, bad, sent_mean = (float(x) for x in stats.asnumpy())
+        # One operator, as fc_2bit's: a = g + r, codes where |a| >= t, r <- a - c * v
+        # with the agreed v (the codes do not depend on the value, only the residual
+        # does); it measures this worker's sum |a| and the mean |a| of what it sent.
+        codes, stats, _ = self._encode(plan, grad, memory.residual(plan.name, grad), t, v,
+                                       velocity, bound)
+        total, sent_mean = stats[0], stats[2]
         # float32, as the slots carry them: every reader sums the same numbers; at the
         # first step nothing is sent, and its mean (t, float32 max) must not be summed
-        payload = Payload(self.name, tuple(grad.shape), (codes,),
-                          (v, float(np.float32(total)),
-                           0.0 if first else float(np.float32(sent_mean))))
-        if bad:
-            ops.settle_2bit(codes, v, residual)
-            undo_encode(self, payload, grad, residual)
-            raise_non_finite(plan.name, int(bad), plan.size)
-        memory.set_owed(plan.name, Owed(codes, t, v))   # no non-finite: a valid pending
-        return payload
+        return Payload(self.name, tuple(grad.shape), (codes,),
+                       (v, float(np.float32(total)),
+                        0.0 if first else float(np.float32(sent_mean))))
 
     def decode(self, payload, out, accumulate=False):
         (codes,) = payload.arrays

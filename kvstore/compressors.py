@@ -15,7 +15,6 @@ import numpy as np
 from .. import ops
 from .codec import Compressor, Payload, undo_encode, raise_non_finite
 from .codec_fp16 import Float16
-from .memory import Owed
 
 
 class NoCompression(Compressor):
@@ -39,20 +38,22 @@ class TwoBit(Compressor):
     """Fully connected and conv weights: every element as {-v, 0, +v} in 2 bits, error
     feedback.
 
-    Threshold: an element of a = g + r is sent where |a| >= t, t = mean(|a|). The mean is a by-product of the quantization pass (ops.quantize_2bit
-    returns sum |a|), so step s quantizes with the mean measured at step s-1; the very
-    first step measures it with ops.l1_stats.
+    Threshold: an element of a = g + r is sent where |a| >= t, t = mean(|a|). The mean
+    is a by-product of the quantization pass (ops.encode_2bit returns sum |a|), so step
+    s quantizes with the mean measured at step s-1; the very first step measures it
+    with ops.l1_stats.
     Value: the sent elements travel as +-v, v = the mean |a| of those elements, measured
-    by ops.quantize_2bit in its pass; residual <- a - q needs v, so that subtraction is
-    left owed to the next step's pass (defer=True): one pass over grad and residual
-    per step. Sending t itself (Hylo's code) sends
-    less than the elements hold (t is the smallest of them), and the rest waits in the
-    residual; in the accuracy study (docs/BENCHMARKS.md), v converges in fewer steps.
+    in the same pass. Sending t itself (Hylo's code) sends less than the elements hold
+    (t is the smallest of them), and the rest waits in the residual; in the accuracy
+    study (docs/BENCHMARKS.md), v converges in fewer steps.
+    Fuses the velocity of momentum correction and the residual's row bound
+    (kvstore.stages): one operator, two passes over the layer.
     Payload: int32 codes (16 per word) and v.
     """
     name = "fc_2bit"
     wire = "slots"
     scalars = 1         # the value sent
+    fuses = ("velocity", "bound")
 
     def _threshold(self, stats, plan):
         total, bad = (float(v) for v in stats.asnumpy())
@@ -65,26 +66,34 @@ class TwoBit(Compressor):
         # An all-zero layer has mean 0; any positive threshold then sends all zeros.
         return max(t, float(np.finfo(np.float32).tiny))
 
-    def encode(self, plan, grad, memory):
+    def encode(self, plan, grad, memory, velocity=None, bound=None):
+        residual = memory.residual(plan.name, grad)
         t = memory.scalar(plan.name, "threshold")
-        if t is None:
-            t = self._threshold(ops.l1_stats(grad, memory.residual(plan.name, grad)), plan)
-        t = float(np.float32(t))
-        # One pass over grad and residual: this step pays what the last one left owed
-        # and leaves its own q owed (memory.py); every other reader gets it settled.
-        residual, owed = memory.residual_owing(plan.name, grad)
-        pending = None if owed is None else (owed.threshold, owed.value)
-        codes, stats = ops.quantize_2bit(grad, residual, t, pending=pending, defer=True)
-        memory.set_owed(plan.name, None)
-        total, bad, value = (float(v) for v in stats.asnumpy())
-        payload = Payload(self.name, tuple(grad.shape), (codes,), (value,))
-        if bad:
-            ops.settle_2bit(codes, value, residual)
-            undo_encode(self, payload, grad, residual)
-            raise_non_finite(plan.name, int(bad), plan.size)
-        memory.set_owed(plan.name, Owed(codes, t, value))   # no non-finite: a valid pending
+        if t is None:           # the first step: the velocity formed first, for its mean
+            grad, velocity = _formed(grad, velocity), None
+            t = self._threshold(ops.l1_stats(grad, residual), plan)
+        codes, stats, value = self._encode(plan, grad, residual, t, None, velocity, bound)
+        total = stats[0]
         memory.set_scalar(plan.name, "threshold", self._scaled(total, plan))
-        return payload
+        return Payload(self.name, tuple(grad.shape), (codes,), (value,))
+
+    def _encode(self, plan, grad, residual, t, value, velocity, bound):
+        """ops.encode_2bit of layer ``plan`` at threshold ``t`` (and ``value``: None, the
+        mean of what is sent) -> (codes, stats as floats (ops.encode_2bit's), the value
+        sent); a non-finite
+        element: the residual restored and FloatingPointError naming the layer."""
+        codes, stats, _ = ops.encode_2bit(
+            grad, residual, float(np.float32(t)), value=value,
+            velocity=None if velocity is None else velocity.previous,
+            momentum=None if velocity is None else velocity.momentum,
+            velocity_out=None if velocity is None else velocity.out, bound=bound)
+        stats = [float(v) for v in stats.asnumpy()]
+        value = stats[2] if value is None else value
+        if stats[1]:
+            payload = Payload(self.name, tuple(grad.shape), (codes,), (value,))
+            undo_encode(self, payload, _formed_by(grad, velocity), residual)
+            raise_non_finite(plan.name, int(stats[1]), plan.size)
+        return codes, stats, value
 
     def decode(self, payload, out, accumulate=False):
         (codes,) = payload.arrays
@@ -161,6 +170,19 @@ class ConvTopK(Compressor):
     def decode(self, payload, out, accumulate=False):
         indices, values = payload.arrays
         ops.scatter_kernels(indices, values, payload.shape, out=out, accumulate=accumulate)
+
+
+def _formed(grad, velocity):
+    """The velocity formed now (ops.momentum_velocity into its spare), or ``grad``
+    where there is none."""
+    if velocity is None:
+        return grad
+    return ops.momentum_velocity(grad, velocity.previous, velocity.momentum, out=velocity.out)
+
+
+def _formed_by(grad, velocity):
+    """What an ops.encode_2bit call encoded: the velocity it wrote, or ``grad``."""
+    return grad if velocity is None else velocity.out
 
 
 # (imported here, not at the top: the shared-scale codec extends TwoBit above)

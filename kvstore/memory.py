@@ -6,26 +6,13 @@ a few scalars of codec state (the adaptive 2-bit threshold), and, with momentum
 correction (kvstore.momentum), two more arrays per layer. All of it is part of a
 checkpoint: resuming without it changes the next steps' gradients.
 
-A codec may leave a subtraction owed on its residual (fc_2bit: ops.quantize_2bit
-with defer=True reads gradient and residual once instead of twice, and the next
-step's quantize pays what the last one owes in its own pass). Every other reader
-gets the residual settled: residual(), get() and state_dict() pay what is owed
-first, so the residual a reader sees is bitwise the one an eager codec leaves.
+Besides, a layer with a velocity has a spare array of its shape, not part of a
+checkpoint: the next step's velocity is written there (a failed encode must keep the
+old one), and the two trade places after a successful encode, so no step allocates
+a layer-sized array.
 """
-from dataclasses import dataclass
-
 import mxnet as mx
 import numpy as np
-
-
-@dataclass
-class Owed:
-    """What an ops.quantize_2bit(..., defer=True) left owed on a residual: its int32
-    codes (for settle_2bit, exact whatever that call saw), its threshold and value
-    (the next call's ``pending``, valid as it saw no non-finite element)."""
-    codes: mx.nd.NDArray
-    threshold: float
-    value: float
 
 
 # float32 arrays of a layer's shape besides the residual (kvstore.momentum)
@@ -42,24 +29,13 @@ class ResidualMemory:
         self._residuals = {}
         self._scalars = {}
         self._arrays = {}
-        self._owed = {}         # name -> Owed
+        self._spares = {}       # name -> float32 scratch of the velocity's shape
 
     def residual(self, name, like):
-        """The residual of layer ``name``: float32, shape and context of NDArray ``like``,
-        with nothing owed on it.
+        """The residual of layer ``name``: float32, shape and context of NDArray ``like``.
 
         Created as zeros on first use; a checkpoint loaded earlier fills it instead.
         """
-        res, owed = self.residual_owing(name, like)
-        if owed is not None:
-            self._settle(name, res, owed)
-        return res
-
-    def residual_owing(self, name, like):
-        """(residual, owed) of layer ``name``: the residual as residual() gives it but
-        without paying what a deferred quantize owes on it, and that debt (an Owed) or
-        None. The caller that passes the debt on to an operator hands the new one back
-        with set_owed()."""
         res = self._residuals.get(name)
         if res is None:
             res = mx.nd.zeros(like.shape, ctx=like.context, dtype=np.float32)
@@ -69,23 +45,7 @@ class ResidualMemory:
                              "%s (a checkpoint of another model?)" % (name, res.shape, like.shape))
         elif res.context != like.context:
             res = self._residuals[name] = res.as_in_context(like.context)
-            owed = self._owed.get(name)
-            if owed is not None:
-                owed.codes = owed.codes.as_in_context(like.context)
-        return res, self._owed.get(name)
-
-    def set_owed(self, name, owed):
-        """Record what layer ``name``'s residual owes (an Owed), or None once an
-        operator paid it."""
-        if owed is None:
-            self._owed.pop(name, None)
-        else:
-            self._owed[name] = owed
-
-    def _settle(self, name, residual, owed):
-        from .. import ops
-        ops.settle_2bit(owed.codes, owed.value, residual)
-        del self._owed[name]
+        return res
 
     def array(self, name, field, like):
         """State array ``field`` (one of ARRAY_FIELDS) of layer ``name``: float32, shape
@@ -114,17 +74,33 @@ class ResidualMemory:
                              % (field, name, value.dtype))
         self._arrays[(name, field)] = value
 
+    def spare(self, name, like):
+        """Layer ``name``'s scratch array (float32, shape and context of ``like``,
+        contents undefined): where its next velocity is written."""
+        arr = self._spares.get(name)
+        if arr is None or arr.shape != like.shape or arr.context != like.context:
+            arr = self._spares[name] = mx.nd.empty(like.shape, ctx=like.context,
+                                                   dtype=np.float32)
+        return arr
+
+    def swap_velocity(self, name, velocity):
+        """``velocity`` (the layer's spare, written by a successful encode) becomes
+        layer ``name``'s velocity, and the velocity it replaces its spare."""
+        old = self._arrays.get((name, "velocity"))
+        self.set_array(name, "velocity", velocity)
+        if old is not None and old is not velocity:
+            self._spares[name] = old
+        else:
+            self._spares.pop(name, None)
+
     def get(self, name):
-        """The residual of layer ``name`` (nothing owed on it), or None if it has none yet."""
-        res = self._residuals.get(name)
-        if res is not None and name in self._owed:
-            self._settle(name, res, self._owed[name])
-        return res
+        """The residual of layer ``name``, or None if it has none yet."""
+        return self._residuals.get(name)
 
     def pop_codec_state(self, name):
-        """Forget layer ``name``'s codec state (its residual, what is owed on it, its
-        codec's scalars; not STORE_SCALARS nor the momentum arrays) and return the
-        residual, settled (float32 NDArray), or None if it had none: a layer that
+        """Forget layer ``name``'s codec state (its residual, its codec's scalars; not
+        STORE_SCALARS nor the momentum arrays) and return the residual (float32
+        NDArray), or None if it had none: a layer that
         leaves its codec must send it (kvstore.hylo, re-planning)."""
         res = self.get(name)
         if res is None:         # (every step of every dense layer asks: keep it cheap)
@@ -150,10 +126,7 @@ class ResidualMemory:
         return sorted(self._residuals)
 
     def state_dict(self):
-        """Everything as a dict of str -> NDArray (the format of mx.nd.save); residuals
-        settled."""
-        for name in list(self._owed):
-            self.get(name)
+        """Everything as a dict of str -> NDArray (the format of mx.nd.save)."""
         state = {"residual/" + n: r for n, r in self._residuals.items()}
         for (name, field), arr in self._arrays.items():
             state["%s/%s" % (field, name)] = arr
@@ -175,7 +148,7 @@ class ResidualMemory:
             else:
                 scalars[(name, field)] = float(value.asnumpy()[0])
         self._residuals, self._scalars, self._arrays = residuals, scalars, arrays
-        self._owed = {}
+        self._spares = {}
 
     def save(self, fname):
         mx.nd.save(fname, self.state_dict())

@@ -86,18 +86,36 @@ def step_lr(optimizer):
     return float(optimizer.lr)
 
 
-def accumulate(name, grad, memory, ctx, ratio=None):
-    """The velocity ``m * ratio * u + grad`` (a new float32 NDArray) of layer ``name``,
-    ``ratio`` the :func:`step_ratio` (None: 1) that brings ``u`` to this step's units;
-    ``u`` itself changes only in :func:`keep_velocity`, after a successful encode."""
+@dataclass(frozen=True)
+class Velocity:
+    """A velocity to be formed inside a codec's own pass (a codec that fuses it,
+    kvstore.compressors): ``out <- previous * momentum + grad``. previous: the layer's
+    velocity (float32 NDArray, read only); out: its spare, where the new one goes."""
+    previous: mx.nd.NDArray
+    momentum: float
+    out: mx.nd.NDArray
+
+
+def velocity(name, grad, memory, ctx, ratio=None):
+    """The Velocity of layer ``name`` at this step, not formed yet: ``m * ratio * u +
+    grad``, ``ratio`` the :func:`step_ratio` (None: 1) that brings ``u`` to this
+    step's units; ``u`` itself changes only in :func:`keep_velocity`, after a
+    successful encode."""
     m = ctx.momentum if ratio is None else ctx.momentum * ratio
-    return ops.momentum_velocity(grad, memory.array(name, "velocity", grad), m)
+    return Velocity(memory.array(name, "velocity", grad), m, memory.spare(name, grad))
+
+
+def accumulate(name, grad, memory, ctx, ratio=None):
+    """The :func:`velocity` formed: a float32 NDArray (the layer's spare)."""
+    v = velocity(name, grad, memory, ctx, ratio)
+    return ops.momentum_velocity(grad, v.previous, v.momentum, out=v.out)
 
 
 def keep_velocity(name, velocity, memory):
-    """After a successful encode, ``velocity`` (from :func:`accumulate`) becomes the
-    layer's velocity (a failed encode leaves the old one: nothing was sent)."""
-    memory.set_array(name, "velocity", velocity)
+    """After a successful encode, ``velocity`` (the spare :func:`accumulate` or a fused
+    codec wrote) becomes the layer's velocity (a failed encode leaves the old one:
+    nothing was sent)."""
+    memory.swap_velocity(name, velocity)
 
 
 def step_ratio(name, memory, ctx):

@@ -5,9 +5,18 @@ way: error feedback and momentum as decorators around the codec).
 A stage has two calls, with the Step of the exchange (the residual memory, and the
 Trainer's momentum for this step, or None):
 
-* ``encode(layer, grad, step)`` -> Payload: what this worker sends;
+* ``encode(layer, grad, step, **fused)`` -> Payload: what this worker sends;
 * ``finish(layer, aggregate, step)``: after the exchange, rewrite the float32
   aggregate in place (or remember something).
+
+Fused stages. A codec whose class lists a stage's work in ``fuses`` (fc_2bit and
+shared_2bit: ``("velocity", "bound")``) does that work inside its own operator
+(ops.encode_2bit: one operator and two passes over the layer where the stages
+would run four operators and six or seven passes, bitwise the same results). The
+stage then hands its part down as a keyword instead of running it: MomentumCorrection
+passes ``velocity=`` (a kvstore.momentum.Velocity) and BoundedResidual ``bound=``, and
+the codec receives them with the plain gradient. What the stages compute does not
+change; only where.
 
 ``chain(decision, compressors, warmup_steps)`` builds a layer's stages, outermost
 first:
@@ -65,18 +74,19 @@ class Step:
 class ErrorFeedback:
     """The codec itself, with its residual (see the module docstring). A layer planned
     dense after it was compressed (a re-plan) sends what its codec still held, once:
-    nothing waits in a residual no codec reads."""
+    nothing waits in a residual no codec reads. ``fused``: the outer stages' work the
+    codec does in its own pass (module docstring), passed on to it."""
 
     def __init__(self, codec):
         self.codec = codec
 
-    def encode(self, layer, grad, step):
+    def encode(self, layer, grad, step, **fused):
         send = grad
         if layer.plan.strategy == "none":
             owed = step.memory.pop_codec_state(layer.plan.name)
             if owed is not None:
                 send = grad.astype(np.float32, copy=False) + owed
-        return self.codec.encode(layer.plan, send, step.memory)
+        return self.codec.encode(layer.plan, send, step.memory, **fused)
 
     def finish(self, layer, aggregate, step):
         """Nothing to do after the exchange."""
@@ -86,16 +96,21 @@ class BoundedResidual:
     """The codec with error feedback, its residual bounded row by row (see the module
     docstring): ||r[i]|| <= ROW_BOUND * ||input[i]|| for every row i after each encode.
     The input is what the codec encoded this step (the velocity under momentum
-    correction, else the gradient)."""
+    correction, else the gradient). With a codec that fuses the bound, the codec
+    applies it in its own pass."""
 
-    def __init__(self, inner):
-        self.inner = inner
+    def __init__(self, inner, fused):
+        self.inner, self.fused = inner, fused
 
-    def encode(self, layer, grad, step):
-        payload = self.inner.encode(layer, grad, step)
+    def encode(self, layer, grad, step, **fused):
         plan = layer.plan
-        ops.bound_rows(step.memory.residual(plan.name, grad), grad,
-                       ROW_BOUND * mean_wait(plan))
+        bound = ROW_BOUND * mean_wait(plan)
+        if self.fused:
+            return self.inner.encode(layer, grad, step, bound=bound, **fused)
+        payload = self.inner.encode(layer, grad, step, **fused)
+        velocity = fused.get("velocity")
+        encoded = grad if velocity is None else velocity.out
+        ops.bound_rows(step.memory.residual(plan.name, grad), encoded, bound)
         return payload
 
     def finish(self, layer, aggregate, step):
@@ -125,8 +140,8 @@ class MomentumCorrection:
     learning rate times rescale_grad (kvstore.momentum, "Units"). Passes through where
     the step has no momentum."""
 
-    def __init__(self, inner):
-        self.inner = inner
+    def __init__(self, inner, fused):
+        self.inner, self.fused = inner, fused
 
     def encode(self, layer, grad, step):
         if step.momentum is None:
@@ -136,6 +151,12 @@ class MomentumCorrection:
         if ratio is not None and ratio != 1.0 and layer.plan.strategy != "none":
             residual = step.memory.residual(name, grad)
             residual *= ratio       # held back at the last step's lr: in this step's units
+        if self.fused:          # the codec forms the velocity in its own pass
+            velocity = momentum_correction.velocity(name, grad, step.memory, step.momentum,
+                                                    ratio)
+            payload = self.inner.encode(layer, grad, step, velocity=velocity)
+            momentum_correction.keep_velocity(name, velocity.out, step.memory)
+            return payload
         velocity = momentum_correction.accumulate(name, grad, step.memory, step.momentum,
                                                   ratio)
         payload = self.inner.encode(layer, velocity, step)
@@ -179,12 +200,13 @@ def chain(plan, compressors, warmup_steps, memory):
     whose velocity lived here before a re-plan (its velocity then runs on and goes out
     whole each step: the optimizer's momentum buffer stays the telescoped sum it was,
     which is dense momentum SGD exactly once nothing is owed)."""
-    stages = ErrorFeedback(compressors[plan.strategy])
+    codec = compressors[plan.strategy]
+    stages = ErrorFeedback(codec)
     compressed = plan.strategy != "none"
     if compressed:
-        stages = BoundedResidual(stages)
+        stages = BoundedResidual(stages, "bound" in codec.fuses)
     if compressed or memory.scalar(plan.name, "previous_rescale") is not None:
-        stages = MomentumCorrection(stages)
+        stages = MomentumCorrection(stages, compressed and "velocity" in codec.fuses)
     if compressed and warmup_steps:
         stages = WarmUp(stages, compressors["none"], warmup_steps)
     return stages

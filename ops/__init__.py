@@ -30,7 +30,7 @@ import numpy as np
 
 from . import _checks, _cpp, build, formats, reference
 
-__all__ = ["backend", "quantize_2bit", "settle_2bit", "l1_stats", "dequantize_2bit",
+__all__ = ["backend", "quantize_2bit", "encode_2bit", "settle_2bit", "l1_stats", "dequantize_2bit",
            "select_kernels", "scatter_kernels", "momentum_velocity", "momentum_correct",
            "bound_rows", "sum_2bit", "decode_sums", "unpack_bytes", "pack_bytes",
            "decode_carried_2bit", "decode_gathered_2bit", "decode_carried_sums",
@@ -135,6 +135,41 @@ def quantize_2bit(grad, residual, threshold, value=None, pending=None, defer=Fal
         return _cpp.quantize_2bit(grad, residual, text, vtext, ptext, bool(defer))
     return reference._quantize_2bit(grad, residual, float(t), None if v is None else float(v),
                                     pending, bool(defer))
+
+
+def encode_2bit(grad, residual, threshold, value=None, velocity=None, momentum=None,
+                velocity_out=None, bound=None):
+    """A 2-bit layer's step of encoding as one operator: momentum correction's
+    velocity, 2-bit quantization with error feedback, the residual's row bound.
+
+    Bitwise the composition (one operator, two passes over memory instead of four
+    operators and six or seven passes)::
+
+        u = momentum_velocity(grad, velocity, momentum, out=velocity_out)  # if velocity
+        codes, stats = quantize_2bit(u, residual, threshold, value)       # settled
+        cut = bound_rows(residual, u, bound)   # if bound is given and stats[1] == 0
+
+    grad: float32|float16, n elements. residual: float32, same shape, UPDATED IN
+    PLACE. threshold, value: as quantize_2bit's (value None: the mean |a| of the
+    elements sent). velocity: None (u = grad), or float32 of the shape (read only)
+    with momentum a finite float (rounded to float32); velocity_out: where u goes
+    (float32 of the shape, not ``velocity``; None: a new array). bound: None (no row
+    bound) or a float >= 0 (rounded to float32): bound_rows's.
+
+    Returns (codes, stats, u): codes int32 (ceil(n/16),) as quantize_2bit's; stats
+    float32 (4,) = [sum |a| over finite a, count of non-finite a, the mean |a| of the
+    elements sent (quantize_2bit's default value, reported also where ``value`` is
+    given: the residual then owes ``value``), rows cut]; u the velocity (None without
+    one). A non-finite a: the residual is settled as
+    quantize_2bit leaves it and not bounded (stats[3] = 0).
+    """
+    a = _checks.encode_2bit(grad, residual, threshold, value, velocity, momentum,
+                            velocity_out, bound)
+    if _use_cpp(grad):
+        return _cpp.encode_2bit(grad, residual, a.threshold_text, a.value_text, velocity,
+                                a.momentum_text, velocity_out, a.bound_text)
+    return reference._encode_2bit(grad, residual, a.threshold, a.value, velocity, a.momentum,
+                                  velocity_out, a.bound)
 
 
 def settle_2bit(codes, value, residual):

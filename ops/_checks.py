@@ -244,3 +244,39 @@ def ndarray_or_empty(x, name, dtypes, op):
     if x.dtype not in dtypes:
         raise TypeError("%s: %s must have dtype %s, got %s" % (
             op, name, " or ".join(np.dtype(d).name for d in dtypes), np.dtype(x.dtype).name))
+
+
+class EncodeArgs:
+    """encode_2bit's scalars as float32 floats (None where not given) and the
+    attribute texts that parse back to them."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def encode_2bit(grad, residual, threshold, value, velocity, momentum, velocity_out, bound):
+    """Validate encode_2bit's arguments (see mxhylo.ops.encode_2bit) -> EncodeArgs."""
+    op = "encode_2bit"
+    t, ttext = threshold32(threshold, op)
+    v, vtext = (None, None) if value is None else threshold32(value, op, what="value")
+    grad_residual(grad, residual, op)
+    m, mtext = None, None
+    if (velocity is None) != (momentum is None):
+        raise ValueError("%s: velocity and momentum go together" % op)
+    if velocity is not None:
+        m, mtext = finite32(momentum, "momentum", op)
+        grad_residual(grad, velocity, op, "velocity")
+        out_array(velocity_out, grad.shape, grad.context, op)
+        if velocity_out is not None and velocity_out.handle.value == velocity.handle.value:
+            raise ValueError("%s: velocity_out must not be velocity itself (a failed "
+                             "encode keeps the old velocity)" % op)
+    elif velocity_out is not None:
+        raise ValueError("%s: velocity_out without a velocity" % op)
+    b, btext = None, None
+    if bound is not None:
+        b, btext = finite32(bound, "bound", op)
+        if b < 0:
+            raise ValueError("%s: bound must be >= 0, got %r" % (op, bound))
+    f = lambda x: None if x is None else float(x)       # noqa: E731
+    return EncodeArgs(threshold=float(t), threshold_text=ttext, value=f(v), value_text=vtext,
+                      momentum=f(m), momentum_text=mtext, bound=f(b), bound_text=btext)

@@ -22,6 +22,27 @@ def quantize_2bit(grad, residual, threshold_text, value_text, pending_texts, def
     return codes, stats
 
 
+def encode_2bit(grad, residual, threshold_text, value_text, velocity, momentum_text,
+                velocity_out, bound_text):
+    attrs = {"threshold": threshold_text}
+    if value_text is not None:
+        attrs["value"] = value_text
+    if bound_text is not None:
+        attrs["bound"] = bound_text
+    if velocity is None:
+        codes, stats = mx.nd.hylo_encode_2bit(grad, residual, **attrs)
+        return codes, stats, None
+    attrs["momentum"] = momentum_text
+    if velocity_out is None:
+        codes, stats, u = mx.nd.hylo_encode_2bit(grad, residual, velocity, **attrs)
+        return codes, stats, u
+    codes = mx.nd.empty(((grad.size + 15) // 16,), ctx=grad.context, dtype=np.int32)
+    stats = mx.nd.empty((4,), ctx=grad.context, dtype=np.float32)
+    mx.nd.hylo_encode_2bit(grad, residual, velocity, out=[codes, stats, velocity_out],
+                           **attrs)
+    return codes, stats, velocity_out
+
+
 def settle_2bit(codes, value_text, residual):
     # in place: MXNet hands `residual` to the op as input and output
     return mx.nd.hylo_settle_2bit(codes, residual, value=value_text, out=residual)

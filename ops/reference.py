@@ -105,6 +105,33 @@ def _quantize_2bit(grad, residual, t, v, pending=None, defer=False):
     return codes, stats
 
 
+def encode_2bit(grad, residual, threshold, value=None, velocity=None, momentum=None,
+                velocity_out=None, bound=None):
+    """See mxhylo.ops.encode_2bit."""
+    a = _checks.encode_2bit(grad, residual, threshold, value, velocity, momentum,
+                            velocity_out, bound)
+    return _encode_2bit(grad, residual, a.threshold, a.value, velocity, a.momentum,
+                        velocity_out, a.bound)
+
+
+def _encode_2bit(grad, residual, t, v, velocity, m, velocity_out, bound):
+    """mxhylo.ops.encode_2bit as its composition (see there)."""
+    u = grad if velocity is None else _momentum_velocity(grad, velocity, m, velocity_out)
+    mean = None
+    if v is not None:       # stats[2]: the mean sent |a| whatever value settles
+        a, finite = _fold(u, residual)
+        mean = _mean_sent(a, ((a >= t) + (a <= -t)) * finite, t)
+    codes, stats = _quantize_2bit(u, residual, t, v)
+    if mean is not None:
+        stats[2] = mean
+    cut = 0.0
+    if bound is not None and not float(stats[1].asscalar()):
+        cut = float(_bound_rows(residual, u, bound).asscalar())
+    stats = mx.nd.concat(stats, mx.nd.array([cut], ctx=stats.context, dtype=np.float32),
+                         dim=0)
+    return codes, stats, None if velocity is None else u
+
+
 def settle_2bit(codes, value, residual):
     """See mxhylo.ops.settle_2bit."""
     t, _ = _checks.threshold32(value, "settle_2bit", what="value")

@@ -7,6 +7,10 @@
 //                      threshold[, value][, pending_threshold, pending_value][, defer])
 //       -> codes int32 (ceil(n/16),), stats f32 (3,)
 //   hylo_settle_2bit(codes int32, residual f32; value) -> residual - decoded
+//   hylo_encode_2bit(grad f32|f16, residual f32 [mutated][, velocity f32];
+//                    threshold[, value][, momentum][, bound])
+//       -> codes int32 (ceil(n/16),), stats f32 (4,)[, velocity' f32]
+//       stats: sum |a|, non-finite count, mean |a| of the sent, rows cut
 //   hylo_l1_stats(grad f32|f16, residual f32) -> stats f32 (2,)
 //   hylo_dequantize_2bit(codes int32; value, shape) -> out f32 shape
 //   hylo_dequantize_2bit_add(codes int32, acc f32; value) -> acc + decoded
@@ -356,9 +360,16 @@ HYLO_INLINE float reduce_lanes(const vf* acc, const vi* cnt, int64_t* count) {
 // elements' L1 mass (t alone, the smallest of them, sends less than they hold
 // and leaves the rest waiting in the residual). Both sums have the fixed
 // order of the header comment. kWrite = false: statistics only, r unchanged.
-template <typename T, bool kWrite, bool kPending>
+//
+// kVelocity: the input quantized is the velocity u * momentum + float32(g) (u
+// float32, read only), formed chunk by chunk into `velocity_out` (the loop of
+// velocity_all, so bitwise hylo_momentum_velocity's result) while the chunk is in
+// L1: one pass where that was two over memory.
+template <typename T, bool kWrite, bool kPending, bool kVelocity = false>
 float quantize_all(const T* g, float* r, uint32_t* codes, int64_t n, float t,
-                   float pending_threshold, float pending_value, float* stats) {
+                   float pending_threshold, float pending_value, float* stats,
+                   const float* u = nullptr, float* velocity_out = nullptr,
+                   float momentum = 0.f) {
   float gbuf[kChunk];  // fp16 chunk as float32
   const vf tv = vf{} + t, ntv = vf{} - t;
   const vf ptv = vf{} + pending_threshold, pv = vf{} + pending_value;
@@ -367,6 +378,15 @@ float quantize_all(const T* g, float* r, uint32_t* codes, int64_t n, float t,
   for (int64_t e0 = 0; e0 < n; e0 += kChunk) {
     const int64_t m = std::min(kChunk, n - e0);
     const float* gf = as_float(g + e0, m, gbuf);
+    if (kVelocity) {
+      const float* ul = u + e0;
+      float* vl = velocity_out + e0;
+      for (int64_t i = 0; i < m; ++i) {
+        const float scaled = ul[i] * momentum;
+        vl[i] = scaled + gf[i];
+      }
+      gf = vl;
+    }
     float* rr = r + e0;
     uint32_t* cc = kWrite ? codes + e0 / 16 : nullptr;
     vf acc[kV], sacc[kV];
@@ -1199,28 +1219,29 @@ inline void add_squares(const float* x, int64_t len, int64_t first, double* acc)
   }
 }
 
+// One row ri of `width` values against the same row ui of the input; true if cut.
+template <typename T>
+bool bound_row(float* ri, const T* ui, int64_t width, double bound) {
+  float buf[kChunk];
+  double ar[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  double au[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  add_squares(ri, width, 0, ar);
+  for (int64_t lo = 0; lo < width; lo += kChunk) {
+    const int64_t len = std::min(kChunk, width - lo);
+    add_squares(as_float(ui + lo, len, buf), len, lo, au);
+  }
+  const double sr = lane_tree(ar);
+  const double allowed = bound * bound * lane_tree(au);
+  if (!(sr > allowed)) return false;
+  const float scale = static_cast<float>(std::sqrt(allowed) / std::sqrt(sr));
+  for (int64_t j = 0; j < width; ++j) ri[j] *= scale;
+  return true;
+}
+
 template <typename T>
 int64_t bound_rows_all(float* r, const T* u, int64_t rows, int64_t width, double bound) {
-  float buf[kChunk];
   int64_t cut = 0;
-  for (int64_t i = 0; i < rows; ++i) {
-    float* ri = r + i * width;
-    const T* ui = u + i * width;
-    double ar[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
-    double au[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
-    add_squares(ri, width, 0, ar);
-    for (int64_t lo = 0; lo < width; lo += kChunk) {
-      const int64_t len = std::min(kChunk, width - lo);
-      add_squares(as_float(ui + lo, len, buf), len, lo, au);
-    }
-    const double sr = lane_tree(ar);
-    const double allowed = bound * bound * lane_tree(au);
-    if (sr > allowed) {
-      const float scale = static_cast<float>(std::sqrt(allowed) / std::sqrt(sr));
-      for (int64_t j = 0; j < width; ++j) ri[j] *= scale;
-      ++cut;
-    }
-  }
+  for (int64_t i = 0; i < rows; ++i) cut += bound_row(r + i * width, u + i * width, width, bound);
   return cut;
 }
 
@@ -1273,6 +1294,137 @@ MXReturnValue bound_forward(const Attrs& attrs, std::vector<MXTensor>* in,
 
 MXReturnValue mutate_first(const Attrs&, std::vector<int>* idx) {
   idx->push_back(0);  // the residual, cut in place
+  return MX_SUCCESS;
+}
+
+// ===================================================== fused 2-bit encode
+// hylo_encode_2bit: what a 2-bit layer's stages do to its gradient in a step
+// (kvstore.stages: momentum correction's velocity, the codec, the residual's row
+// bound) as one operation and two passes over memory, bitwise the composition
+//   u' = hylo_momentum_velocity(g, u; momentum)          (with 'momentum')
+//   codes, stats = hylo_quantize_2bit(u', r; threshold[, value])   (r settled)
+//   (stats[2] is the mean |a| of the elements sent, also where 'value' is given:
+//   the residual is settled with 'value', the mean is reported)
+//   stats[3] = hylo_bound_rows(r, u'; bound)   (with 'bound', if stats[1] == 0)
+// Pass 1 (quantize_all<.., kVelocity>) forms u' and quantizes it chunk by chunk
+// in L1, leaving r <- a; pass 2 walks the rows: it settles each row's r <- a - q
+// and cuts the row to its bound while the row is in cache. A step with a
+// non-finite element settles r and is not bounded (the caller undoes it and
+// raises). That was four operations and six to seven passes, one of them into
+// a freshly allocated array.
+struct EncodeAttrs {
+  float t = 0.f, value = 0.f, momentum = 0.f, bound = 0.f;
+  bool value_given = false, velocity = false, bounded = false;
+};
+
+bool parse_encode(const Attrs& attrs, EncodeAttrs* e) {
+  if (!parse_threshold(attrs, &e->t) ||
+      !parse_optional_float(attrs, "value", &e->value_given, &e->value))
+    return false;
+  e->velocity = attrs.count("momentum") > 0;  // any finite float
+  if (e->velocity && !parse_float(attrs, "momentum", false, &e->momentum)) return false;
+  e->bounded = attrs.count("bound") > 0;
+  if (e->bounded && !parse_float(attrs, "bound", false, &e->bound)) return false;
+  if (e->bounded && e->bound < 0.f) {
+    MX_ERROR_MSG << "attribute 'bound' must be >= 0";
+    return false;
+  }
+  return true;
+}
+
+MXReturnValue encode_parse(const Attrs& attrs, int* nin, int* nout) {
+  EncodeAttrs e;
+  if (!parse_encode(attrs, &e)) return MX_FAIL;
+  *nin = e.velocity ? 3 : 2;    // grad, residual[, velocity]
+  *nout = e.velocity ? 3 : 2;   // codes, stats[, the new velocity]
+  return MX_SUCCESS;
+}
+
+MXReturnValue encode_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
+  const std::vector<int> gr(in->begin(), in->begin() + 2);
+  if (!grad_residual_types(gr, "hylo_encode_2bit")) return MX_FAIL;
+  if (in->size() == 3 && (*in)[2] != kFloat32) {
+    MX_ERROR_MSG << "hylo_encode_2bit: velocity must be float32";
+    return MX_FAIL;
+  }
+  (*out)[0] = kInt32;
+  (*out)[1] = kFloat32;
+  if (out->size() == 3) (*out)[2] = kFloat32;
+  return MX_SUCCESS;
+}
+
+MXReturnValue encode_shape(const Attrs&, std::vector<std::vector<unsigned int> >* in,
+                           std::vector<std::vector<unsigned int> >* out) {
+  const std::vector<std::vector<unsigned int> > gr(in->begin(), in->begin() + 2);
+  if (!grad_residual_shapes(gr, "hylo_encode_2bit")) return MX_FAIL;
+  if (in->size() == 3 && (*in)[2] != (*in)[0]) {
+    MX_ERROR_MSG << "hylo_encode_2bit: grad and velocity shapes differ";
+    return MX_FAIL;
+  }
+  const int64_t n = shape_size((*in)[0]);
+  (*out)[0] = dims({(n + 15) / 16});
+  (*out)[1] = dims({4});
+  if (out->size() == 3) (*out)[2] = (*in)[0];
+  return MX_SUCCESS;
+}
+
+// Pass 2: row by row, settle r <- r - q up to the row's end (whole code words:
+// a word that spans two rows is settled with the first) and cut the row to
+// `bound` times the norm of the same row of x. Returns the rows cut.
+template <typename T>
+int64_t settle_and_bound(const uint32_t* codes, float* r, const T* x, int64_t rows,
+                         int64_t width, float value, double bound) {
+  const int64_t n = rows * width;
+  int64_t settled = 0, cut = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t hi = (i + 1) * width;
+    if (hi > settled) {
+      const int64_t to = std::min(n, (hi + 15) / 16 * 16);
+      settle_all(codes + settled / 16, r + settled, to - settled, value);
+      settled = to;
+    }
+    cut += bound_row(r + i * width, x + i * width, width, bound);
+  }
+  return cut;
+}
+
+template <typename T>
+void encode_any(const T* g, float* r, const float* u, float* velocity_out, uint32_t* codes,
+                int64_t n, int64_t rows, const EncodeAttrs& e, float* stats) {
+  const float mean = e.velocity
+      ? quantize_all<T, true, false, true>(g, r, codes, n, e.t, 0.f, 0.f, stats, u,
+                                           velocity_out, e.momentum)
+      : quantize_all<T, true, false>(g, r, codes, n, e.t, 0.f, 0.f, stats);
+  const float v = e.value_given ? e.value : mean;
+  stats[2] = mean;
+  stats[3] = 0.f;
+  if (!e.bounded || stats[1] != 0.f) {
+    settle_all(codes, r, n, v);
+    return;
+  }
+  const int64_t width = rows ? n / rows : 0;
+  const int64_t cut = e.velocity
+      ? settle_and_bound<float>(codes, r, velocity_out, rows, width, v, e.bound)
+      : settle_and_bound<T>(codes, r, g, rows, width, v, e.bound);
+  stats[3] = static_cast<float>(cut);
+}
+
+MXReturnValue encode_forward(const Attrs& attrs, std::vector<MXTensor>* in,
+                             std::vector<MXTensor>* out, const OpResource&) {
+  EncodeAttrs e;
+  if (!parse_encode(attrs, &e)) return MX_FAIL;
+  MXTensor& g = (*in)[0];
+  float* r = (*in)[1].data<float>();
+  const float* u = e.velocity ? (*in)[2].data<float>() : nullptr;
+  float* velocity_out = e.velocity ? (*out)[2].data<float>() : nullptr;
+  uint32_t* codes = (*out)[0].data<uint32_t>();
+  float* stats = (*out)[1].data<float>();
+  const int64_t n = g.size();
+  const int64_t rows = g.shape.size() > 1 ? static_cast<int64_t>(g.shape[0]) : 1;
+  if (g.dtype == kFloat16)
+    encode_any(g.data<uint16_t>(), r, u, velocity_out, codes, n, rows, e, stats);
+  else
+    encode_any(g.data<float>(), r, u, velocity_out, codes, n, rows, e, stats);
   return MX_SUCCESS;
 }
 
@@ -1818,6 +1970,13 @@ REGISTER_OP(hylo_momentum_velocity)
     .setInferType(velocity_type)
     .setInferShape(velocity_shape)
     .setForward(velocity_forward, "cpu");
+
+REGISTER_OP(hylo_encode_2bit)
+    .setParseAttrs(encode_parse)
+    .setInferType(encode_type)
+    .setInferShape(encode_shape)
+    .setMutateInputs(mutate_residual)
+    .setForward(encode_forward, "cpu");
 
 REGISTER_OP(hylo_bound_rows)
     .setParseAttrs(bound_parse)

@@ -110,13 +110,22 @@ def test_every_compressed_layer_is_bounded_every_step_under_each_optimizer(monke
     from mxnet import autograd, gluon
 
     seen = []
-    real = ops.bound_rows
+    real_bound, real_encode = ops.bound_rows, ops.encode_2bit
 
     def bound_rows(residual, grad, bound):
-        cut = real(residual, grad, bound)
+        cut = real_bound(residual, grad, bound)
         seen.append((grad.shape, _row_norms(residual.asnumpy()), _row_norms(grad.asnumpy())))
         return cut
+
+    def encode_2bit(grad, residual, threshold, bound=None, **kw):     # the bound fused
+        out = real_encode(grad, residual, threshold, bound=bound, **kw)
+        if bound is not None:
+            encoded = grad if out[2] is None else out[2]
+            seen.append((grad.shape, _row_norms(residual.asnumpy()),
+                         _row_norms(encoded.asnumpy())))
+        return out
     monkeypatch.setattr(ops, "bound_rows", bound_rows)
+    monkeypatch.setattr(ops, "encode_2bit", encode_2bit)
 
     net = gluon.nn.HybridSequential()
     net.add(gluon.nn.Conv2D(16, 3, in_channels=4), gluon.nn.Flatten(), gluon.nn.Dense(10))

@@ -652,6 +652,110 @@ def test_momentum_validation_errors(impl):
         impl.momentum_correct(g, u, float("inf"))
 
 
+# --------------------------------------------------------------- encode_2bit
+def encode_by_parts(impl, g, r, t, value=None, u=None, m=None, bound=None):
+    """encode_2bit's contract, op by op: the velocity, quantize_2bit (settled), and
+    bound_rows where bound is given and nothing was non-finite. -> (codes, stats (4,),
+    residual, velocity or None); stats[2] the mean sent |a| as quantize_2bit's
+    value-less call reports it."""
+    x = nd(g) if u is None else impl.momentum_velocity(nd(g), nd(u), m)
+    res = nd(r)
+    codes, stats = impl.quantize_2bit(x, res, t, value=value)
+    stats = stats.asnumpy()
+    if value is not None:
+        stats[2] = impl.quantize_2bit(x, nd(r), t)[1].asnumpy()[2]
+    cut = 0.0
+    if bound is not None and not stats[1]:
+        cut = float(impl.bound_rows(res, x, bound).asnumpy()[0])
+    return (codes.asnumpy(), np.append(stats, F32(cut)), res.asnumpy(),
+            None if u is None else x.asnumpy())
+
+
+ENCODE_SHAPES = [(1,), (17,), (5, 3), (7, 2049), (64, 147), (3, 7, 3, 3), (33, 5, 1, 1)]
+
+
+@pytest.mark.parametrize("shape", ENCODE_SHAPES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("momentum", [None, 0.9])
+@pytest.mark.parametrize("bound", [None, 1.0, 0.25])
+def test_encode_2bit_is_bitwise_its_parts(quant_impl, shape, dtype, momentum, bound):
+    """The fused operator of a 2-bit layer's stages gives the bits of the stages' own
+    operators (velocity, quantize, row bound), with rows cut and rows kept."""
+    rng = np.random.RandomState(sum(shape))
+    g = rng.randn(*shape).astype(dtype)
+    # rows of every scale: the bound cuts some rows and leaves others
+    rows = shape[0] if len(shape) > 1 else 1
+    scale = 10.0 ** rng.randint(-1, 2, size=rows)
+    r = (rng.randn(rows, g.size // rows) * scale[:, None]).astype(F32).reshape(shape)
+    u = None if momentum is None else rng.randn(*shape).astype(F32)
+    for value in (None, 0.6):
+        want = encode_by_parts(quant_impl, g, r, 0.8, value, u, momentum, bound)
+        res, out = nd(r), None if u is None else nd(np.zeros(shape, F32))
+        codes, stats, vel = quant_impl.encode_2bit(
+            nd(g), res, 0.8, value=value, velocity=None if u is None else nd(u),
+            momentum=momentum, velocity_out=out, bound=bound)
+        np.testing.assert_array_equal(codes.asnumpy(), want[0])
+        np.testing.assert_array_equal(bits(stats.asnumpy()), bits(want[1]))
+        np.testing.assert_array_equal(bits(res.asnumpy()), bits(want[2]))
+        if u is None:
+            assert vel is None
+        else:
+            assert vel is out
+            np.testing.assert_array_equal(bits(vel.asnumpy()), bits(want[3]))
+    if bound == 1.0 and len(shape) > 1 and shape[0] >= 7:
+        assert 0 < want[1][3] < shape[0]        # some rows cut, some kept
+
+
+def test_encode_2bit_nonfinite_settles_and_does_not_bound(quant_impl):
+    """A non-finite element: the residual is what quantize_2bit leaves (settled, not
+    bounded: the caller undoes the step), the count in stats[1], no row counted cut."""
+    rng = np.random.RandomState(5)
+    g, u = rng.randn(6, 40).astype(F32), rng.randn(6, 40).astype(F32)
+    r = (rng.randn(6, 40) * 100).astype(F32)          # far over the bound
+    g[2, 7], g[4, 0] = np.nan, np.inf
+    res = nd(r)
+    codes, stats, vel = quant_impl.encode_2bit(nd(g), res, 0.5, velocity=nd(u), momentum=0.9,
+                                               bound=1.0)
+    want = encode_by_parts(quant_impl, g, r, 0.5, None, u, 0.9, None)
+    np.testing.assert_array_equal(codes.asnumpy(), want[0])
+    np.testing.assert_array_equal(bits(res.asnumpy()), bits(want[2]))
+    assert stats.asnumpy()[1] == 2 and stats.asnumpy()[3] == 0
+
+
+def test_encode_2bit_matches_numpy(quant_impl):
+    """Against numpy (not the package's own parts): velocity, codes, residual, bound."""
+    rng = np.random.RandomState(8)
+    g, u = rng.randn(9, 50).astype(F32), rng.randn(9, 50).astype(F32)
+    r = (rng.randn(9, 50) * 3).astype(F32)
+    res = nd(r)
+    codes, stats, vel = quant_impl.encode_2bit(nd(g), res, 0.7, velocity=nd(u), momentum=0.9,
+                                               bound=0.5)
+    x = (u * F32(0.9)).astype(F32) + g
+    np.testing.assert_array_equal(bits(vel.asnumpy()), bits(x))
+    v = np_value_ordered(x, r, 0.7) if quant_impl is ops else stats.asnumpy()[2]
+    want_codes, settled, _ = np_quantize(x, r, 0.7, v)
+    np.testing.assert_array_equal(codes.asnumpy(), want_codes)
+    allowed = 0.5 * np.sqrt((x.astype(np.float64) ** 2).sum(1))
+    held = np.sqrt((settled.astype(np.float64) ** 2).sum(1))
+    want = settled * np.minimum(1.0, allowed / held)[:, None]
+    np.testing.assert_allclose(res.asnumpy(), want, rtol=1e-6, atol=1e-7)
+    assert stats.asnumpy()[3] == (held > allowed).sum() > 0
+
+
+def test_encode_2bit_validation_errors(impl):
+    g, r, u = (nd(np.ones((4, 3), F32)) for _ in range(3))
+    with pytest.raises(ValueError, match="velocity and momentum go together"):
+        impl.encode_2bit(g, r, 1.0, velocity=u)
+    with pytest.raises(ValueError, match="must not be velocity itself"):
+        impl.encode_2bit(g, r, 1.0, velocity=u, momentum=0.9, velocity_out=u)
+    with pytest.raises(ValueError, match="velocity_out without a velocity"):
+        impl.encode_2bit(g, r, 1.0, velocity_out=u)
+    with pytest.raises(ValueError, match="bound must be >= 0"):
+        impl.encode_2bit(g, r, 1.0, bound=-1.0)
+    with pytest.raises(ValueError, match="shape"):
+        impl.encode_2bit(g, r, 1.0, velocity=nd(np.ones(12, F32)), momentum=0.9)
+
+
 # ---------------------------------------------------------------- validation
 def test_validation_errors(impl):
     g, r = nd(np.ones((4, 3), F32)), nd(np.zeros((4, 3), F32))
@@ -980,6 +1084,13 @@ def isa_child(path):
             res = nd(y)
             out[name + "/cut"] = ops.bound_rows(res, nd(x), p).asnumpy()
             out[name + "/residual"] = res.asnumpy()
+            res = nd(y)
+            codes, stats, vel = ops.encode_2bit(nd(x), res, 0.5, velocity=nd(y * 0.5),
+                                                momentum=0.9, bound=p)
+            out[name + "/encode_codes"] = codes.asnumpy()
+            out[name + "/encode_stats"] = stats.asnumpy()
+            out[name + "/encode_residual"] = res.asnumpy()
+            out[name + "/encode_velocity"] = canon(vel.asnumpy())
         elif op == "momentum":
             out[name + "/velocity"] = canon(ops.momentum_velocity(nd(x), nd(y), p).asnumpy())
             agg, prev = nd(y), nd(x.astype(F32))
