@@ -11,11 +11,16 @@ ratio C++ / memcpy (the median over call pairs) is the figure to read on a share
 machine. The record gives per operator and level the median and range over the
 rounds, and the NDArray reference's speed once.
 
-The store's calls are timed as it makes them: quantize_2bit pays the previous step's
-owed subtraction and leaves its own (one pass); quantize_2bit_eager owes nothing (a
-second pass), settle_2bit is that pass alone; select_kernels keeps --topk of the
-(size / --filter, --filter) filters; dequantize writes into (or adds to) an output;
-scatter_kernels_accumulate counts the whole dense array it stands for. Each process
+encode_2bit is the store's call for a 2-bit layer under momentum SGD: the velocity,
+quantization and the residual's row bound on (size / --filter, --filter) rows, one
+operator, the velocity written into a spare; encode_2bit_parts is the same work as the
+stages' four operators (momentum_velocity into a new array, quantize_2bit leaving its
+subtraction owed, settle_2bit, bound_rows), bitwise the same results. quantize_2bit
+pays a previous call's owed subtraction and leaves its own (one pass);
+quantize_2bit_eager owes nothing (a second pass), settle_2bit is that pass alone;
+select_kernels keeps --topk of the (size / --filter, --filter) filters; dequantize
+writes into (or adds to) an output; scatter_kernels_accumulate counts the whole dense
+array it stands for. Each process
 also digests every operator's outputs on a fixed input with edge values (NaN, Inf,
 zeros, an odd tail, float16): ``outputs_identical`` says whether all levels agree.
 """
@@ -34,7 +39,7 @@ from . import report
 log = report.logger("ops")
 
 DEFAULT_ISAS = "native,x86-64-v3,x86-64"
-OPS = ("quantize_2bit", "quantize_2bit_fp16", "quantize_2bit_eager", "settle_2bit", "l1_stats",
+OPS = ("encode_2bit", "encode_2bit_parts", "quantize_2bit", "quantize_2bit_fp16", "quantize_2bit_eager", "settle_2bit", "l1_stats",
        "dequantize_2bit", "dequantize_2bit_accumulate", "select_kernels",
        "scatter_kernels_accumulate")
 CHILD_TIMEOUT_S = 900
@@ -107,12 +112,27 @@ def _cases(mx, ops, ref, n, cfg):
     res2d = mx.nd.zeros(shape)
     indices, values, _ = ops.select_kernels(grad2d, mx.nd.zeros(shape), k)
     out2d = mx.nd.zeros(shape)
+    velocity = mx.nd.array(grad_np[:rows * cfg["filter"]].reshape(shape) * 3)
+    spare = mx.nd.zeros(shape)
 
     def pair(fn):
         return (lambda: fn(ops), lambda: fn(ref))
 
+    def encode(m):              # the store's 2-bit layer under momentum: one operator
+        _, stats, _ = m.encode_2bit(grad2d, res2d, t, velocity=velocity, momentum=0.9,
+                                    velocity_out=spare, bound=1.0)
+        stats.asnumpy()         # (the store reads the stats: its value and the check)
+
+    def encode_parts(m):        # the same work as the stages' own operators
+        v = m.momentum_velocity(grad2d, velocity, 0.9)
+        codes2d, stats = m.quantize_2bit(v, res2d, t, defer=True)
+        m.settle_2bit(codes2d, float(stats.asnumpy()[2]), res2d)
+        m.bound_rows(res2d, v, 1.0)
+
     return {
-        # the store's call (kvstore TwoBit): one pass, last step's debt paid, this one's owed
+        "encode_2bit": pair(encode),
+        "encode_2bit_parts": pair(encode_parts),
+        # one pass: a previous call's debt paid, this one's owed
         "quantize_2bit": pair(
             lambda m: m.quantize_2bit(grad, residual, t, pending=owed, defer=True)),
         "quantize_2bit_fp16": pair(
@@ -157,6 +177,12 @@ def edge_digest(mx, ops):
                                    pending=(0.3, float(s1.asnumpy()[2])), defer=True)
         add(c1, s1, c2, s2, deferred, ops.settle_2bit(c2, float(s2.asnumpy()[2]), deferred))
         add(ops.dequantize_2bit(codes, 0.3, (n,)))
+        rows = max(1, n // 9)   # the fused encode of a (rows, 9) layer with a velocity
+        shaped = g[:rows * 9].reshape(rows, -1) if n >= 9 else g.reshape(n, 1)
+        res2 = mx.nd.array(r[:shaped.size].reshape(shaped.shape) * 3)
+        add(res2, *ops.encode_2bit(mx.nd.array(shaped, dtype=dtype), res2, 0.3,
+                                   velocity=mx.nd.array(r[:shaped.size].reshape(shaped.shape)),
+                                   momentum=0.9, bound=0.5))
         rows = max(1, n // 9)
         g2 = g[:rows * 9].reshape(rows, 9) if n >= 9 else g.reshape(n, 1)
         res2 = mx.nd.array(r[:g2.size].reshape(g2.shape))
