@@ -345,8 +345,7 @@ class PSTransport(Transport):
             self.kv.pushpull(b.pskey, b.send, out=b.recv)    # (a fresh concat: see the top)
             # one engine operation writes every member's aggregate (a Python slice
             # assignment per member cost more CPU than the bucket saves on the wire)
-            mx.nd._internal._split_v2(b.recv, indices=tuple(m.offset for m in b.members),
-                                      axis=0, squeeze_axis=False, sections=0, out=outs)
+            ops.split_sections(b.recv, [m.offset for m in b.members], outs)
         for n, m in enumerate(b.members):
             traffic[m.item].count(b.layout.server, pushed=4 * m.size, pulled=4 * m.size,
                                   messages=int(n == 0))

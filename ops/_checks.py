@@ -280,3 +280,27 @@ def encode_2bit(grad, residual, threshold, value, velocity, momentum, velocity_o
     f = lambda x: None if x is None else float(x)       # noqa: E731
     return EncodeArgs(threshold=float(t), threshold_text=ttext, value=f(v), value_text=vtext,
                       momentum=f(m), momentum_text=mtext, bound=f(b), bound_text=btext)
+
+
+def sections(x, offsets, outs, op, outputs=True):
+    """split_sections' arguments: x float32 1-D, offsets ascending ints from 0 below
+    x's size, one float32 1-D output of each section's size on x's device -> offsets
+    as a tuple of ints. outputs=False checks their number only (the C++ path: MXNet's
+    shape inference checks them at the call, and on an error there the caller checks
+    them here by name)."""
+    ndarray(x, "x", (np.float32,), op)
+    if len(x.shape) != 1:
+        raise ValueError("%s: x must be 1-D, got shape %s" % (op, x.shape))
+    offsets = tuple(int(o) for o in offsets)
+    n = x.shape[0]
+    if (not offsets or offsets[0] != 0 or any(b <= a for a, b in zip(offsets, offsets[1:]))
+            or offsets[-1] >= n):
+        raise ValueError("%s: offsets must be ascending from 0 and below %d, got %s"
+                         % (op, n, offsets))
+    if len(outs) != len(offsets):
+        raise ValueError("%s: %d offsets but %d outputs" % (op, len(offsets), len(outs)))
+    if outputs:
+        for i, (o, start) in enumerate(zip(outs, offsets)):
+            end = offsets[i + 1] if i + 1 < len(offsets) else n
+            out_array(o, (end - start,), x.context, op)
+    return offsets

@@ -43,6 +43,11 @@ def encode_2bit(grad, residual, threshold_text, value_text, velocity, momentum_t
     return codes, stats, velocity_out
 
 
+def split_sections(x, offsets, outs):
+    mx.nd.hylo_split_sections(x, offsets=str(offsets), out=list(outs))
+    return outs
+
+
 def settle_2bit(codes, value_text, residual):
     # in place: MXNet hands `residual` to the op as input and output
     return mx.nd.hylo_settle_2bit(codes, residual, value=value_text, out=residual)

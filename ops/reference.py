@@ -132,6 +132,18 @@ def _encode_2bit(grad, residual, t, v, velocity, m, velocity_out, bound):
     return codes, stats, None if velocity is None else u
 
 
+def split_sections(x, offsets, outs):
+    """See mxhylo.ops.split_sections."""
+    return _split_sections(x, _checks.sections(x, offsets, outs, "split_sections"), outs)
+
+
+def _split_sections(x, offsets, outs):
+    ends = list(offsets[1:]) + [x.shape[0]]
+    for o, start, end in zip(outs, offsets, ends):
+        o[:] = x[start:end]
+    return outs
+
+
 def settle_2bit(codes, value, residual):
     """See mxhylo.ops.settle_2bit."""
     t, _ = _checks.threshold32(value, "settle_2bit", what="value")

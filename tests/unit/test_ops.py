@@ -756,6 +756,34 @@ def test_encode_2bit_validation_errors(impl):
         impl.encode_2bit(g, r, 1.0, velocity=nd(np.ones(12, F32)), momentum=0.9)
 
 
+# ------------------------------------------------------------ split_sections
+@pytest.mark.parametrize("sizes", [[1], [5], [3, 1, 7], [16] * 40 + [1000, 1]])
+def test_split_sections_writes_each_section(impl, sizes):
+    """Each output gets its section of x, bit for bit (NaN, -0 and Inf included)."""
+    x = np.random.RandomState(len(sizes)).randn(sum(sizes)).astype(F32)
+    x[:3] = [np.nan, -0.0, np.inf][:min(3, x.size)]
+    offsets = np.cumsum([0] + sizes[:-1]).tolist()
+    outs = [nd(np.full(s, 7, F32)) for s in sizes]
+    assert impl.split_sections(nd(x), offsets, outs) is outs
+    for o, start, size in zip(outs, offsets, sizes):
+        np.testing.assert_array_equal(bits(o.asnumpy()), bits(x[start:start + size]))
+
+
+def test_split_sections_validation_errors(impl):
+    x = nd(np.ones(10, F32))
+    outs = [nd(np.zeros(4, F32)), nd(np.zeros(6, F32))]
+    with pytest.raises(ValueError, match="ascending from 0"):
+        impl.split_sections(x, [1, 4], outs)
+    with pytest.raises(ValueError, match="ascending from 0"):
+        impl.split_sections(x, [0, 4, 4], outs + [nd(np.zeros(0 + 1, F32))])
+    with pytest.raises(ValueError, match="2 offsets but 1 outputs"):
+        impl.split_sections(x, [0, 4], outs[:1])
+    with pytest.raises(ValueError, match=r"out has shape \(4,\), expected \(6,\)"):
+        impl.split_sections(x, [0, 6], outs)
+    with pytest.raises(ValueError, match="1-D"):
+        impl.split_sections(nd(np.ones((2, 5), F32)), [0], [nd(np.zeros(10, F32))])
+
+
 # ---------------------------------------------------------------- validation
 def test_validation_errors(impl):
     g, r = nd(np.ones((4, 3), F32)), nd(np.zeros((4, 3), F32))
