@@ -78,10 +78,10 @@ class TwoBit(Compressor):
         return Payload(self.name, tuple(grad.shape), (codes,), (value,))
 
     def _encode(self, plan, grad, residual, t, value, velocity, bound):
-        """ops.encode_2bit of layer ``plan`` at threshold ``t`` (and ``value``: None, the
-        mean of what is sent) -> (codes, stats as floats (ops.encode_2bit's), the value
-        sent); a non-finite
-        element: the residual restored and FloatingPointError naming the layer."""
+        """ops.encode_2bit of layer ``plan`` at threshold ``t`` (``value``: None for the
+        mean of what is sent) -> (codes, ops.encode_2bit's stats as floats, the value
+        sent). A non-finite element: the residual restored, then FloatingPointError
+        naming the layer."""
         codes, stats, _ = ops.encode_2bit(
             grad, residual, float(np.float32(t)), value=value,
             velocity=None if velocity is None else velocity.previous,
