@@ -91,7 +91,8 @@ class TwoBit(Compressor):
         value = stats[2] if value is None else value
         if stats[1]:
             payload = Payload(self.name, tuple(grad.shape), (codes,), (value,))
-            undo_encode(self, payload, _formed_by(grad, velocity), residual)
+            encoded = grad if velocity is None else velocity.out    # what it encoded
+            undo_encode(self, payload, encoded, residual)
             raise_non_finite(plan.name, int(stats[1]), plan.size)
         return codes, stats, value
 
@@ -178,11 +179,6 @@ def _formed(grad, velocity):
     if velocity is None:
         return grad
     return ops.momentum_velocity(grad, velocity.previous, velocity.momentum, out=velocity.out)
-
-
-def _formed_by(grad, velocity):
-    """What an ops.encode_2bit call encoded: the velocity it wrote, or ``grad``."""
-    return grad if velocity is None else velocity.out
 
 
 # (imported here, not at the top: the shared-scale codec extends TwoBit above)

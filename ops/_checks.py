@@ -6,6 +6,7 @@ TypeError, wrong values/shapes ValueError; messages name the argument.
 """
 import math
 import numbers
+import types
 
 import mxnet as mx
 import numpy as np
@@ -246,16 +247,10 @@ def ndarray_or_empty(x, name, dtypes, op):
             op, name, " or ".join(np.dtype(d).name for d in dtypes), np.dtype(x.dtype).name))
 
 
-class EncodeArgs:
-    """encode_2bit's scalars as float32 floats (None where not given) and the
-    attribute texts that parse back to them."""
-
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-
 def encode_2bit(grad, residual, threshold, value, velocity, momentum, velocity_out, bound):
-    """Validate encode_2bit's arguments (see mxhylo.ops.encode_2bit) -> EncodeArgs."""
+    """Validate encode_2bit's arguments (see mxhylo.ops.encode_2bit) -> its scalars as
+    float32-rounded floats (None where not given) and the attribute texts that parse
+    back to them, as a SimpleNamespace."""
     op = "encode_2bit"
     t, ttext = threshold32(threshold, op)
     v, vtext = (None, None) if value is None else threshold32(value, op, what="value")
@@ -278,7 +273,7 @@ def encode_2bit(grad, residual, threshold, value, velocity, momentum, velocity_o
         if b < 0:
             raise ValueError("%s: bound must be >= 0, got %r" % (op, bound))
     f = lambda x: None if x is None else float(x)       # noqa: E731
-    return EncodeArgs(threshold=float(t), threshold_text=ttext, value=f(v), value_text=vtext,
+    return types.SimpleNamespace(threshold=float(t), threshold_text=ttext, value=f(v), value_text=vtext,
                       momentum=f(m), momentum_text=mtext, bound=f(b), bound_text=btext)
 
 
