@@ -48,6 +48,15 @@ MESSAGE_PROBE_KEYS = 8             # keys of the exchange that times one more me
 # into itself; else they are pushed and pulled apart: on the CPU MXNet's pushpull
 # leaves the pulled value in the array it pushed, and a pushed array can be state (a
 # momentum-corrected velocity) or the caller's input.
+#
+# PULL_READERS_LAST: MXNet gives every operator of an extension library (mxhylo.ops)
+# the CPU's temporary-space resource, one engine variable, so these operators run in
+# the order they are queued, whatever arrays they touch. One that reads a pull waits
+# for the other workers' pushes of that key, and every operator queued after it waits
+# too: a layer's encode, whose statistics this thread reads before pushing. Had a
+# worker queued a pull's reader before its last push, two workers could each wait in
+# an encode for a key only the other would push next (a deadlock, ended by the
+# watchdog). So an exchange queues its pulls' readers after its last push.
 
 
 @dataclass
@@ -269,8 +278,9 @@ class PSTransport(Transport):
         that came first come back first, while later layers still travel. Uncompressed
         layers of at most the bucket size travel fused into buckets (one message each
         way per bucket, not one per tensor), each pushed when its last member comes.
-        Reading a pulled row_sparse array waits for it, so the compressed pulls are
-        decoded only after the last push. Returns one Traffic per item.
+        Nothing that reads a pull is queued before the last push (PULL_READERS_LAST,
+        above): the compressed pulls are decoded, and the buckets' aggregates split
+        into their members, once every layer is pushed. Returns one Traffic per item.
         """
         # keys made, layouts sent, buckets fixed: before the first push
         self._groups = self.keys.prepare(layers)
@@ -278,7 +288,7 @@ class PSTransport(Transport):
                           for layer in group}
         self._exchanges += 1
         self.watchdog.begin(self._exchanges)
-        routed, traffic, pending = [], [], []
+        routed, traffic, pending, splits = [], [], [], []
         arrived = {}         # bucket group index -> {layer key: item index} come so far
         for i, (layer, payload, out) in enumerate(items):
             chunks = self.keys.route(layer, payload)
@@ -295,10 +305,14 @@ class PSTransport(Transport):
             members[layer.key] = i
             if len(members) == len(self._groups[group]):
                 self._push_and_pull_bucket(self._bucket(self._groups[group], members,
-                                                        routed), routed, traffic)
+                                                        routed), routed, traffic, splits)
         if sum(len(m) for m in arrived.values()) != sum(len(g) for g in self._groups):
             raise RuntimeError("an exchange left buckets unsent: its items differ from "
                                "its layers")
+        for recv, offsets, outs in splits:
+            # one engine operation writes every member's aggregate (a Python slice
+            # assignment per member cost more CPU than the bucket saves on the wire)
+            ops.split_sections(recv, offsets, outs)
         for p in pending:
             self._decode_pull(p)
         return traffic
@@ -331,8 +345,9 @@ class PSTransport(Transport):
                 nbytes = chunk.pull_rows * (4 * chunk.cols + ROW_ID_BYTES)
             traffic.count(chunk.server, pulled=nbytes)
 
-    def _push_and_pull_bucket(self, b, routed, traffic):
-        """Push a full bucket, issue its pull and the copies to its members' outputs."""
+    def _push_and_pull_bucket(self, b, routed, traffic, splits):
+        """Push a full bucket and issue its pull; the split of its aggregate into its
+        members' outputs is added to ``splits`` (queued after the last push)."""
         now = time.perf_counter()
         for m in b.members:
             self.watchdog.owe(b.pskey, routed[m.item].layer.plan.name, b.layout.server)
@@ -343,9 +358,7 @@ class PSTransport(Transport):
             self.kv.pull(b.pskey, out=outs[0])
         else:
             self.kv.pushpull(b.pskey, b.send, out=b.recv)    # (a fresh concat: see the top)
-            # one engine operation writes every member's aggregate (a Python slice
-            # assignment per member cost more CPU than the bucket saves on the wire)
-            ops.split_sections(b.recv, [m.offset for m in b.members], outs)
+            splits.append((b.recv, [m.offset for m in b.members], outs))
         for n, m in enumerate(b.members):
             traffic[m.item].count(b.layout.server, pushed=4 * m.size, pulled=4 * m.size,
                                   messages=int(n == 0))

@@ -82,3 +82,18 @@ def test_gather_pull_equals_the_dense_pull_bitwise(tmp_path):
     # last, once the properties above say what differs: any change of one bit
     assert_recorded_digest("gather", gather[0])
     assert_recorded_digest("dense", dense[0])
+
+
+def test_workers_whose_gradients_come_in_crossed_orders_finish(tmp_path):
+    """Each worker pushes the bucket the other pushes last, and encodes a 2-bit layer in
+    between (jobs/crossed_buckets.py): neither may wait for the other in that encode
+    (transport_ps's PULL_READERS_LAST); the buckets' sums come out exact."""
+    script = os.path.join(ROOT, "tests", "distributed", "jobs", "crossed_buckets.py")
+    cmd = [sys.executable, "-m", "mxhylo.launch", "-n", "2", "-s", "2", "--timeout", "90",
+           sys.executable, script]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    for rank in (0, 1):
+        for step in range(3):
+            assert "[worker %d] step %d ok" % (rank, step) in out, out[-3000:]
