@@ -21,6 +21,11 @@ $(VENV)/.installed: requirements.txt setup.py
 	HOROVOD_WITH_MXNET=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 \
 	  HOROVOD_WITHOUT_MPI=1 HOROVOD_WITH_GLOO=1 HOROVOD_CPU_OPERATIONS=gloo \
 	  $(VENV)/bin/pip install -q --no-build-isolation horovod==0.28.1
+	# mxhylo's C++ operators for this CPU (ops/build.py, about 25 s), so that the first
+	# job does not compile them while its other processes wait; without a compiler
+	# mxhylo runs on its NDArray reference
+	$(VENV)/bin/python -c "from mxhylo.ops import build; print(build.build())" || \
+	  echo "mxhylo: the C++ operators did not compile (above); the NDArray reference runs instead"
 	touch $@
 
 demo: setup  ## the main job: 2 workers + 1 server on the digits, over MXNet's parameter server
