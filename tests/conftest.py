@@ -12,11 +12,10 @@ import os
 import pytest
 
 KINDS = ("unit", "integration", "distributed", "bench")
-# Kinds whose tests start jobs of several processes. The default run (pytest.ini: two
-# xdist workers, --dist loadgroup) runs them one at a time on one worker, as they
-# were written to run (each job's processes share the machine's cores), while the other
-# worker runs the tests of one process.
-JOBS = ("distributed", "bench")
+# The default run (pytest.ini) spreads the tests over two xdist workers, jobs of several
+# processes included: a job may run beside another job or beside one-process tests.
+# The run is bound by CPU either way (2 cores kept busy); every job's bounds (its
+# launcher's --timeout, the store's stall watchdog) allow for the shared cores.
 
 
 def pytest_addoption(parser):
@@ -28,9 +27,6 @@ def pytest_collection_modifyitems(config, items):
         kind = os.path.basename(os.path.dirname(str(item.fspath)))
         if kind in KINDS:
             item.add_marker(getattr(pytest.mark, kind))
-        if kind in JOBS:
-            # one after another, on one xdist worker: see JOBS
-            item.add_marker(pytest.mark.xdist_group("jobs"))
     if config.getoption("--runslow"):
         return
     skip = pytest.mark.skip(reason="heavier run: opt in with --runslow")

@@ -10,9 +10,10 @@ users start them:
 
 The cases are a pairwise cover of the ways a script builds its net, store and Trainer,
 of the route the store takes and of hylo's cost model (FACTORS). Each case is one
-launch of the start-up soak too: every launch runs beside a busy loop (with the job's
-own processes, more runnable processes than cores), without the launcher's relaunch, and must end with rc 0 and both workers'
-trained parameters bitwise equal; and as a matrix case, evaluate, and have
+launch of the start-up soak too: every launch runs on shared cores (with the job's own
+processes, more runnable processes than cores: beside the default run's other tests,
+and under --runslow beside a busy loop), without the launcher's relaunch, and must end
+with rc 0 and both workers' trained parameters bitwise equal; and as a matrix case, evaluate, and have
 save_states work on either route of the hylo store (MXNet's dist_sync with updates on
 the servers raises its own assertion). The default run launches the cases of
 DEFAULT_CASES once (7 launches: together every level of every factor, every launch
@@ -45,9 +46,11 @@ BUSY = os.path.join(ROOT, "tests", "distributed", "jobs", "busy.py")
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 PY = sys.executable
 
-# One loop: a job of 2 workers, a server and a scheduler already outnumbers 2 cores, and
-# a second loop doubled the module's CPU (the default run shares the machine: pytest.ini)
-BUSY_LOOPS = 1
+# Busy loops beside --runslow's soak: one (a job of 2 workers, a server and a scheduler
+# already outnumbers 2 cores, and a second loop doubled the module's CPU). The default
+# run adds none: its launches share the cores with the run's other xdist worker
+# (pytest.ini), and a loop there cost the run about 40 CPU-seconds.
+BUSY_LOOPS_SLOW = 1
 JOB_TIMEOUT_S = 150          # the launcher's --timeout; the whole command gets 60 s more
 STEPS = 3
 
@@ -318,12 +321,14 @@ def test_the_cases_cover_the_soak():
 # -- the launches, under load ------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def cores_busy():
-    """BUSY_LOOPS busy loops at normal priority while this module's launches run, each
-    ended by its pid at teardown (a failed test included)."""
+def cores_busy(request):
+    """BUSY_LOOPS_SLOW busy loops at normal priority while this module's launches run
+    under --runslow (none in the default run), each ended by its pid at teardown (a
+    failed test included)."""
     procs = []
+    loops = BUSY_LOOPS_SLOW if request.config.getoption("--runslow") else 0
     try:
-        for _ in range(BUSY_LOOPS):
+        for _ in range(loops):
             procs.append(subprocess.Popen([PY, BUSY, str(3 * 3600)],
                                           stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL))
@@ -363,10 +368,11 @@ def expected_on_servers(case):
 
 @pytest.mark.parametrize("case", _launches())
 def test_user_script_under_load(tmp_path, cores_busy, case):
-    """Launched beside a busy loop: rc 0 (no relaunch), both workers' trained
-    parameters bitwise equal, an accuracy from the evaluation forward, the route and
-    cost model the options ask for; save_states saves on either route of the hylo
-    store, and raises MXNet's assertion under dist_sync with updates on the servers."""
+    """Launched on shared cores (beside a busy loop under --runslow): rc 0 (no
+    relaunch), both workers' trained parameters bitwise equal, an accuracy from the
+    evaluation forward, the route and cost model the options ask for; save_states
+    saves on either route of the hylo store, and raises MXNet's assertion under
+    dist_sync with updates on the servers."""
     rc, text, reports = run_job(tmp_path, case["how"], case_args(case))
     assert all(p.poll() is None for p in cores_busy), "a busy loop ended"
     assert rc == 0 and reports, "%s %s: %s" % (case["how"], " ".join(case_args(case)),
