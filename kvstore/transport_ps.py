@@ -290,7 +290,7 @@ class PSTransport(Transport):
         self.watchdog.begin(self._exchanges)
         routed, traffic, pending, splits = [], [], [], []
         arrived = {}         # bucket group index -> {layer key: item index} come so far
-        for i, (layer, payload, out) in enumerate(items):
+        for i, (layer, payload, out) in enumerate(self._own_payloads(items)):
             chunks = self.keys.route(layer, payload)
             routed.append(Routed(layer, payload, out, chunks))
             traffic.append(Traffic())
@@ -316,6 +316,18 @@ class PSTransport(Transport):
         for p in pending:
             self._decode_pull(p)
         return traffic
+
+    def _own_payloads(self, items):
+        """``items``, the watchdog told that while the next one is made the exchange
+        waits for this worker's own backward and encode, not for a server."""
+        items = iter(items)
+        while True:
+            self.watchdog.waiting_on_self()
+            item = next(items, None)
+            if item is None:
+                self.watchdog.waiting("the aggregates of every layer pushed")
+                return
+            yield item
 
     def _push_and_pull(self, r, traffic, pending):
         """Push a layer that travels in keys of its own, and issue its pulls (a

@@ -6,7 +6,9 @@ forever and says nothing. The watchdog bounds one exchange instead. When an exch
 has not completed within the bound, it prints which exchange, which layer the worker
 is waiting for and which keys (on which servers) are still owed, then ends the worker
 (exit code 1). mxhylo.launch then tears the job down; under MXNet's tools/launch.py
-the worker exits all the same.
+the worker exits all the same. An exchange also waits on its own worker: for the next
+gradient backward writes, and for that gradient's encode. A bound that passes there is
+reported as this worker's own stall, not blamed on the servers.
 
 The bound (``stall_timeout``): seconds, a fixed number; 0 or False turns the watchdog
 off; None (the default) derives it from the exchanges seen so far: AUTO_FACTOR times
@@ -33,6 +35,7 @@ class Owed:
     started: float
     keys: Dict[int, Tuple[str, int]] = field(default_factory=dict)
     waiting_for: str = ""
+    on_self: bool = False        # waiting for this worker's own gradient or encode
 
     def describe(self, limit=12):
         """(sorted servers still owing, text listing the owed keys)."""
@@ -60,8 +63,8 @@ def check_timeout(value):
 class StallWatchdog:
     """Ends this worker when one exchange outlives its bound (see the module docstring).
 
-    begin(step) / owe(key, name, server) / waiting(what) / settled(key) /
-    settled_layer(name) / end() mark an
+    begin(step) / owe(key, name, server) / waiting_on_self() / waiting(what) /
+    settled(key) / settled_layer(name) / end() mark an
     exchange's progress from the thread that runs it; a daemon thread checks the bound twice a
     second. ``on_stall(message)`` is what happens then (default: print and os._exit(1)).
     """
@@ -99,9 +102,18 @@ class StallWatchdog:
                                             daemon=True)
             self._thread.start()
 
+    def waiting_on_self(self):
+        """The thread now waits for this worker's next gradient (its backward) and that
+        gradient's encode, not for a server."""
+        owed = self._owed
+        if owed is not None:
+            owed.waiting_for, owed.on_self = "", True
+
     def waiting(self, what):
-        if self._owed is not None:
-            self._owed.waiting_for = what
+        """The thread now waits for ``what`` from the servers."""
+        owed = self._owed
+        if owed is not None:
+            owed.waiting_for, owed.on_self = what, False
 
     def waiting_on_layer(self, name):
         """The thread now waits for layer ``name``'s aggregate (its owed keys named)."""
@@ -111,6 +123,7 @@ class StallWatchdog:
                 keys = ["key %d, server %d" % (k, server)
                         for k, (n, server) in sorted(owed.keys.items()) if n == name]
             owed.waiting_for = "layer %r (%s)" % (name, "; ".join(keys) or "no key owed")
+            owed.on_self = False
 
     def owe(self, key, name, server):
         """The exchange will wait for ps key ``key`` (of layer ``name``) from ``server``."""
@@ -153,20 +166,32 @@ class StallWatchdog:
                 bound = self.bound()
                 if waited <= bound:
                     continue
-                servers, keys = owed.describe()
-                message = (
-                    "mxhylo: worker %d: exchange %d (training step %d under a Trainer) has "
-                    "not completed after %.0f s (bound "
-                    "%.0f s, the stall_timeout option%s); waiting for %s. Still owed: %s. "
-                    "Parameter server(s) %s (ps-lite's server ranks) may be stopped, hung "
-                    "or unreachable; this worker ends so that the job does not hang."
-                    % (self.rank, owed.step, owed.step, waited, bound,
-                       "" if self.timeout else ": %gx the slowest exchange so far, at least "
-                       "%g s" % (AUTO_FACTOR, AUTO_MIN),
-                       owed.waiting_for or "the first aggregate", keys or "nothing listed",
-                       ", ".join(str(s) for s in servers) or "?"))
+                message = self._message(owed, waited, bound)
                 self._owed = None
             self.on_stall(message)
+
+    def _message(self, owed, waited, bound):
+        """What a stall says: the exchange, its bound, what it waits for, and whom."""
+        servers, keys = owed.describe()
+        head = ("mxhylo: worker %d: exchange %d (training step %d under a Trainer) has not "
+                "completed after %.0f s (bound %.0f s, the stall_timeout option%s); "
+                % (self.rank, owed.step, owed.step, waited, bound,
+                   "" if self.timeout else ": %gx the slowest exchange so far, at least "
+                   "%g s" % (AUTO_FACTOR, AUTO_MIN)))
+        if owed.on_self:
+            return head + (
+                "waiting for this worker's own next gradient (its backward has not written "
+                "it) or for that gradient's encode, not for a server. Still owed by the "
+                "servers: %s. If this worker's backward takes this long, raise "
+                "stall_timeout; this worker ends so that the job does not hang."
+                % (keys or "nothing"))
+        return head + (
+            "waiting for %s. Still owed: %s. Parameter server(s) %s (ps-lite's server "
+            "ranks) may be stopped, hung or unreachable, or wait for another worker's "
+            "push (a worker whose own backward stalls says so); this worker ends so that "
+            "the job does not hang."
+            % (owed.waiting_for or "the first aggregate", keys or "nothing listed",
+               ", ".join(str(s) for s in servers) or "?"))
 
 
 def _print_and_exit(message):

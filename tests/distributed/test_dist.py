@@ -207,6 +207,24 @@ def test_a_stopped_server_ends_the_job_with_a_message(tmp_path, mode, launcher_a
     assert "server 1 (pid %d) is stopped (process state T" % server_pid in text, text[-3000:]
 
 
+@pytest.mark.timeout(180)
+def test_a_workers_own_stalled_backward_is_not_blamed_on_the_servers(tmp_path):
+    """Rank 0's backward takes 30 s in one step, past stall_timeout=3: its watchdog
+    ends it saying that it waits for its own gradient, not naming a server as the
+    cause; the job ends well before the backward would have."""
+    proc, out, seconds = launch_keys_worker(tmp_path, "own_stall")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text[-3000:]
+    assert open(out.format(rank=0)).read() == "3", text[-3000:]    # stalled in step 4
+    # (the launcher quotes it again when it stops the job)
+    own = [line for line in text.splitlines()
+           if line.startswith("[worker") and "] mxhylo: worker 0: exchange" in line]
+    assert len(own) == 1, text[-3000:]
+    assert "waiting for this worker's own next gradient" in own[0], own[0]
+    assert "Parameter server(s)" not in own[0], own[0]
+    assert seconds < 90, (seconds, text[-3000:])
+
+
 def test_workers_with_different_models_end_the_job(tmp_path):
     proc, _, seconds = launch_keys_worker(tmp_path, "mismatch")
     text = proc.stdout + proc.stderr

@@ -66,3 +66,39 @@ def test_no_report_while_exchanges_finish_in_time():
         w.end()
     time.sleep(1.0)
     assert said == []
+
+
+def _stall_message(w):
+    said = []
+    w.on_stall = said.append
+    deadline = time.time() + 10
+    while not said and time.time() < deadline:
+        time.sleep(0.1)
+    assert len(said) == 1, said
+    return said[0]
+
+
+def test_a_stall_in_the_workers_own_backward_does_not_blame_the_servers():
+    # an exchange waits for the worker's own next gradient: backward (or the encode) is
+    # what stalls, while an earlier layer's keys are still owed
+    w = watchdog.StallWatchdog(0.5, rank=1)
+    w.begin(5)
+    w.owe(12, "conv1_weight", 1)
+    w.waiting_on_self()
+    message = _stall_message(w)
+    assert "waiting for this worker's own next gradient" in message
+    assert "not for a server" in message
+    assert "Still owed by the servers: conv1_weight (key 12, server 1)." in message
+    assert "Parameter server(s)" not in message
+
+
+def test_once_the_server_is_waited_on_again_the_servers_are_named():
+    w = watchdog.StallWatchdog(0.5, rank=1)
+    w.begin(5)
+    w.waiting_on_self()
+    w.owe(12, "conv1_weight", 1)
+    w.waiting("the aggregates of every layer pushed")
+    message = _stall_message(w)
+    assert "own next gradient" not in message
+    assert "waiting for the aggregates of every layer pushed" in message
+    assert "Parameter server(s) 1 (ps-lite's server ranks)" in message

@@ -13,6 +13,8 @@
     python tests/distributed/jobs/dist_keys_worker.py stall OUT      exchanges until the job is stopped,
         writing the last completed step to OUT after each (the test stops a server);
         stall:SECONDS: the same with stall_timeout=SECONDS instead of the default bound
+    python tests/distributed/jobs/dist_keys_worker.py own_stall OUT  a gluon.Trainer's steps under
+        stall_timeout=3; at the 4th, rank 0's backward takes 30 s (a custom operator)
     python tests/distributed/jobs/dist_keys_worker.py fp16 OUT       a layer in 3 chunks with the fp16 codec
         (policy), 3 steps of seeded gradients; writes OUT.npz too
     python tests/distributed/jobs/dist_keys_worker.py recheck OUT    the cost model measured again mid-run
@@ -203,11 +205,12 @@ def fp16():
 
 
 BACKWARD_ENDS = []
+LATE_BACKWARD_S = [0.8]     # seconds late_backward sleeps (a list: set per step)
 
 
 def register_late_backward():
     """Register the custom operator 'late_backward': identity whose backward first
-    sleeps 0.8 s, so the gradients before it in the net are written late (MXNet runs
+    sleeps LATE_BACKWARD_S (0.8 s), so the gradients before it in the net are written late (MXNet runs
     a custom operator in a thread of its own). Registered only by the mode that uses
     it: a process that registers a custom operator it never runs aborts at exit
     (MXNet 1.9.1, "terminate called without an active exception")."""
@@ -216,7 +219,7 @@ def register_late_backward():
             self.assign(out_data[0], req[0], in_data[0])
 
         def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
-            time.sleep(0.8)
+            time.sleep(LATE_BACKWARD_S[0])
             BACKWARD_ENDS.append(time.perf_counter())
             self.assign(in_grad[0], req[0], out_grad[0])
 
@@ -289,6 +292,34 @@ def trainer_order(how):
     json.dump({"policies": policies, "buckets": len(kv.transport.keys.bucket_keys),
                "overlap": kv.overlap, "steps": steps},
               open(out.format(rank=kv.rank), "w"))
+
+
+def own_stall():
+    """Rank 0's backward stalls in its 4th step (30 s) while stall_timeout is 3 s: its
+    exchange waits for its own gradient, not for a server."""
+    from mxnet import gluon
+    register_late_backward()
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Conv2D(16, 3, in_channels=4), gluon.nn.Flatten(),
+            gluon.nn.Dense(10, in_units=16 * 36))
+    net.initialize(mx.init.Xavier())
+    kv = mxhylo.create("dist_sync_hylo", stall_timeout=3, cost_model=False,
+                       server_update=False)
+
+    class Late(gluon.HybridBlock):
+        def hybrid_forward(self, F, x):
+            return F.Custom(x, op_type="late_backward")
+    model = gluon.nn.HybridSequential()
+    model.add(net[0], Late(), net[1], net[2])
+    trainer = gluon.Trainer(model.collect_params(), "sgd", {"learning_rate": 0.1},
+                            kvstore=kv)
+    rng = np.random.RandomState(kv.rank)
+    for step in range(1, 7):
+        LATE_BACKWARD_S[0] = 30.0 if step == 4 and kv.rank == 0 else 0.0
+        train_step(model, trainer, rng)
+        mx.nd.waitall()
+        with open(out.format(rank=kv.rank), "w") as f:
+            f.write(str(step))
 
 
 def train_step(net, trainer, rng, batch=4):
@@ -555,6 +586,10 @@ if mode == "stall":
 
 if mode.startswith("stall:"):
     stall(float(mode[len("stall:"):]))
+    sys.exit(0)
+
+if mode == "own_stall":
+    own_stall()
     sys.exit(0)
 
 if mode.startswith("startup:"):
