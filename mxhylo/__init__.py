@@ -43,11 +43,14 @@ else:
 
     if not hasattr(mxnet, "nd"):
         # 2. mxnet was imported first and this server is unpickling hylo's decoder from
-        #    inside that import, before mxnet binds its `nd` alias and imports `library`.
+        #    inside that import (mxnet/contrib imports the kvstore module, which starts
+        #    the server loop), before mxnet binds its `nd` and `sym` aliases and imports
+        #    `library`; ops/build.py registers the operators on both.
         import mxnet.library  # noqa: E402,F401
         import mxnet.ndarray  # noqa: E402
+        import mxnet.symbol  # noqa: E402
 
-        mxnet.nd = mxnet.ndarray
+        mxnet.nd, mxnet.sym = mxnet.ndarray, mxnet.symbol
 
     from .kvstore import create  # noqa: E402  (registers 'hylo' and 'dist_sync_hylo')
 

@@ -43,7 +43,6 @@ Environment:
 import ctypes
 import fcntl
 import hashlib
-import importlib
 import os
 import platform
 import shlex
@@ -281,11 +280,6 @@ def _load_library(path):
     from mxnet.base import _LIB, OpHandle, c_str, check_call, py_str
     from mxnet.ndarray.register import _make_ndarray_function
     from mxnet.symbol.register import _make_symbol_function
-    # the modules by name, not mx.nd and mx.sym: a parameter server runs inside MXNet's
-    # own import (mxnet/contrib imports the kvstore module, which starts the server
-    # loop), before mxnet/__init__.py binds those short names
-    nd, nd_op, sym, sym_op = [importlib.import_module("mxnet." + m) for m in
-                              ("ndarray", "ndarray.op", "symbol", "symbol.op")]
     if not os.path.isabs(path) or not os.path.exists(path):
         raise BuildError("operator library %s does not exist (an absolute path is needed)"
                          % path)
@@ -297,12 +291,12 @@ def _load_library(path):
             handle = OpHandle()
             check_call(_LIB.NNGetOpHandle(c_str(name), ctypes.byref(handle)))
             function = _make_ndarray_function(handle, name, name)
-            setattr(nd_op, name, function)
-            setattr(nd, name, function)
+            setattr(mx.nd.op, name, function)
+            setattr(mx.nd, name, function)
             if name.startswith(OP_PREFIX + "bn_"):
                 symbol_function = _make_symbol_function(handle, name, name)
-                setattr(sym_op, name, symbol_function)
-                setattr(sym, name, symbol_function)
+                setattr(mx.sym.op, name, symbol_function)
+                setattr(mx.sym, name, symbol_function)
 
 
 def load(isa=None):
@@ -335,7 +329,7 @@ def load(isa=None):
                     name, ", ".join(missing)))
             path = build(name)
             _load_library(path)
-            if not hasattr(importlib.import_module("mxnet.ndarray"), "hylo_quantize_2bit"):
+            if not hasattr(mx.nd, "hylo_quantize_2bit"):
                 raise BuildError("%s loaded but registered no hylo_* operators" % path)
         except BuildError as err:
             _state["error"] = err
